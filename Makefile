@@ -1,0 +1,33 @@
+# The README's two commands: `make run` and `make test`. Both install what is missing first.
+BUILD_DIR ?= build
+BUILD_TYPE ?= Release
+CMAKE_FLAGS ?=
+CTEST_FLAGS ?=
+
+.PHONY: all deps configure build run test bench clean
+
+all: build
+
+deps:
+	scripts/install-deps
+
+$(BUILD_DIR)/build.ninja:
+	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_FLAGS)
+
+configure: $(BUILD_DIR)/build.ninja
+
+build: deps configure
+	cmake --build $(BUILD_DIR)
+
+# Until the DDP example exists, the main job is the collective benchmark at 2 ranks.
+run: build
+	$(BUILD_DIR)/bin/chorus bench allreduce -n 2 --check
+
+test: build
+	cd $(BUILD_DIR) && ctest --output-on-failure --timeout 300 $(CTEST_FLAGS)
+
+bench: build
+	bench/compare-gloo
+
+clean:
+	rm -rf $(BUILD_DIR)

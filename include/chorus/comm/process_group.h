@@ -1,0 +1,115 @@
+// ProcessGroup: a set of ranks that run collectives together.
+//
+// Contract:
+// - Every rank of the group calls the same collectives in the same order with the same dtype,
+//   count, op and root. Every message carries the call, so a disagreement raises MismatchError
+//   on every rank, stating both calls. (A call in which a rank only sends, such as a broadcast
+//   root, learns of a disagreement at its next receive.)
+// - Calls return at once with a Work; operations run in issue order on one background thread
+//   per group. Buffers passed in must stay valid and untouched until the Work completes.
+// - Every operation has a deadline (Options::timeout). On a timeout, a dead or departed peer, or
+//   a mismatch, the operation fails with an error naming this rank, the peer and its address,
+//   the operation and its sequence number and the time waited; the peers are told, so they fail
+//   at once too. The group is then broken: every later call fails fast with the original cause.
+// - Thread safety: the issuing methods may be called from any thread; the order in which they
+//   are called is the order in which the operations run.
+// - Send/recv pairs match in order per pair of ranks; their tags must agree.
+// - Destroying the group (or shutdown()) finishes queued work, then says goodbye to the peers.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "chorus/comm/store.h"
+#include "chorus/comm/types.h"
+
+namespace chorus {
+
+struct ProcessGroupOptions {
+  std::chrono::milliseconds timeout{300000};  // per operation; 5 minutes as in PyTorch
+  std::string transport = "tcp";               // the only kind for now
+  std::string token;                           // job token for the connection handshake
+  std::string advertise_host;                  // address peers reach this rank by ("" = 127.0.0.1)
+  std::string group_name = "default";
+  size_t segment_bytes = 1 << 20;              // ring pipeline segment size
+  size_t small_allreduce_bytes = 256 << 10;    // recursive doubling up to this size, ring above
+  int socket_buffer_bytes = 0;                 // 0 = kernel autotuning
+  int spin_us = 0;                             // busy-poll before sleeping in the transport
+};
+
+// The handle of one queued operation.
+class Work {
+ public:
+  virtual ~Work() = default;
+  virtual bool is_completed() const = 0;
+  // True once completed without error.
+  virtual bool is_success() const = 0;
+  // Blocks until the operation completes and rethrows its error, if any. With a timeout, throws
+  // TimeoutError if it is still running then (the operation itself goes on).
+  virtual void wait() = 0;
+  virtual void wait(std::chrono::milliseconds timeout) = 0;
+  virtual std::exception_ptr exception() const = 0;
+  // Results of the object collectives (all_gather_object: one per rank; broadcast_object: one).
+  virtual const std::vector<std::string>& objects() const = 0;
+};
+
+class ProcessGroup {
+ public:
+  // Connects to every other rank through `store` (collective: all ranks construct it).
+  ProcessGroup(std::shared_ptr<Store> store, int rank, int size, ProcessGroupOptions options = {});
+  ~ProcessGroup();
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+
+  int rank() const;
+  int size() const;
+  const ProcessGroupOptions& options() const;
+
+  std::shared_ptr<Work> allreduce(void* data, size_t count, DataType dtype, ReduceOp op = ReduceOp::kSum);
+  std::shared_ptr<Work> broadcast(void* data, size_t count, DataType dtype, int root);
+  // The result lands in data on root; other ranks' data is left unchanged.
+  std::shared_ptr<Work> reduce(void* data, size_t count, DataType dtype, ReduceOp op, int root);
+  // out holds size() * count elements, rank i's block at i * count. in may be out + rank * count.
+  std::shared_ptr<Work> allgather(const void* in, void* out, size_t count, DataType dtype);
+  // Per-rank counts: rank i contributes counts[i] elements, placed back to back in out.
+  std::shared_ptr<Work> allgatherv(const void* in, void* out, const std::vector<size_t>& counts,
+                                   DataType dtype);
+  // out (size() * count elements) is used on root only.
+  std::shared_ptr<Work> gather(const void* in, void* out, size_t count, DataType dtype, int root);
+  // in (size() * count elements) is used on root only; each rank receives its count elements.
+  std::shared_ptr<Work> scatter(const void* in, void* out, size_t count, DataType dtype, int root);
+  // in holds size() * count elements; out receives the reduction of block rank().
+  std::shared_ptr<Work> reduce_scatter(const void* in, void* out, size_t count, DataType dtype,
+                                       ReduceOp op = ReduceOp::kSum);
+  // Block i of in (count elements) goes to rank i; block i of out comes from rank i. No overlap.
+  std::shared_ptr<Work> alltoall(const void* in, void* out, size_t count, DataType dtype);
+  std::shared_ptr<Work> barrier();
+  std::shared_ptr<Work> send(const void* data, size_t count, DataType dtype, int dst, int tag = 0);
+  std::shared_ptr<Work> recv(void* data, size_t count, DataType dtype, int src, int tag = 0);
+
+  // Object collectives on byte strings; results in Work::objects().
+  std::shared_ptr<Work> all_gather_object(std::string object);
+  std::shared_ptr<Work> broadcast_object(std::string object, int root);
+
+  // A sub-group of the listed ranks of this group (every rank of this group calls it with the same
+  // list, in the same order relative to other new_group calls). Returns nullptr on non-members.
+  std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks);
+
+  // Waits for queued work, says goodbye to the peers and stops the worker. Idempotent.
+  void shutdown();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Rendezvous (see rendezvous.h) + ProcessGroup: the usual way to start.
+std::shared_ptr<ProcessGroup> connect_process_group(const std::string& init_method = "env://",
+                                                    int rank = -1, int world_size = -1,
+                                                    ProcessGroupOptions options = {});
+
+}  // namespace chorus

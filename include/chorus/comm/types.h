@@ -1,0 +1,38 @@
+// Element types and reduction operators understood by the collectives.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace chorus {
+
+enum class DataType : uint8_t {
+  kFloat32 = 0,
+  kFloat64 = 1,
+  kFloat16 = 2,   // IEEE half; reduced in float32
+  kBFloat16 = 3,  // bfloat16; reduced in float32
+  kInt8 = 4,
+  kUInt8 = 5,
+  kInt32 = 6,
+  kInt64 = 7,
+};
+constexpr int kNumDataTypes = 8;
+
+// kAvg divides the sum by the group size; for integer types the quotient is truncated toward zero.
+enum class ReduceOp : uint8_t {
+  kSum = 0,
+  kAvg = 1,
+  kProd = 2,
+  kMin = 3,
+  kMax = 4,
+};
+constexpr int kNumReduceOps = 5;
+
+size_t element_size(DataType dtype);
+const char* to_string(DataType dtype);
+const char* to_string(ReduceOp op);
+// Parses "f32", "float32", "bf16", ... ; throws UsageError on an unknown name.
+DataType parse_data_type(const std::string& name);
+
+}  // namespace chorus

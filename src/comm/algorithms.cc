@@ -1,0 +1,271 @@
+#include "algorithms.h"
+
+#include <cstring>
+
+#include "plan.h"
+#include "reduce.h"
+
+namespace chorus::algo {
+
+using transport::Ticket;
+using transport::Transport;
+
+char* Scratch::get(int slot, size_t bytes) {
+  if (slots_.size() <= static_cast<size_t>(slot)) slots_.resize(static_cast<size_t>(slot) + 1);
+  auto& v = slots_[static_cast<size_t>(slot)];
+  if (v.size() < bytes) {
+    v.clear();
+    v.shrink_to_fit();
+    v.resize(bytes);
+  }
+  return v.data();
+}
+
+namespace {
+
+inline char* at(void* base, size_t elems, size_t esz) { return static_cast<char*>(base) + elems * esz; }
+inline const char* at(const void* base, size_t elems, size_t esz) {
+  return static_cast<const char*>(base) + elems * esz;
+}
+
+// Ring reduce-scatter (steps [0, n-1)) and/or allgather (steps [n-1, 2n-2)) over `plan`, in place
+// on buf, pipelined by segment: segment j of step s+1 leaves as soon as segment j of step s is in.
+void ring(Transport& t, Scratch& s, const wire::Call& call, const plan::RingPlan& plan, char* buf,
+          DataType dtype, ReduceOp op, bool reduce_scatter, bool allgather) {
+  const int n = t.size();
+  const int r = t.rank();
+  const int next = (r + 1) % n;
+  const int prev = (r - 1 + n) % n;
+  const size_t esz = element_size(dtype);
+  const int first = reduce_scatter ? 0 : n - 1;
+  const int last = allgather ? plan.steps() : n - 1;  // exclusive
+  size_t seg_max = 0;
+  for (int j = 0; j < plan.segments; ++j) seg_max = std::max(seg_max, plan.segment(0, j).count);
+  char* tmp = reduce_scatter ? s.get(0, seg_max * esz) : nullptr;
+
+  auto send_segment = [&](int step, int j) {
+    plan::Range g = plan.segment(plan.send_chunk(r, step), j);
+    t.send(next, wire::make_header(call, g.count * esz), at(buf, g.offset, esz), g.count * esz);
+  };
+  for (int j = 0; j < plan.segments; ++j) send_segment(first, j);
+  for (int step = first; step < last; ++step) {
+    const int c = plan.recv_chunk(r, step);
+    const bool reducing = step < n - 1;
+    for (int j = 0; j < plan.segments; ++j) {
+      plan::Range g = plan.segment(c, j);
+      char* dst = at(buf, g.offset, esz);
+      if (reducing) {
+        t.wait(t.recv(prev, call, tmp, g.count * esz));
+        reduce::reduce_into(dtype, op, dst, tmp, g.count);
+        if (step == n - 2 && op == ReduceOp::kAvg) reduce::finish_avg(dtype, dst, g.count, n);
+      } else {
+        t.wait(t.recv(prev, call, dst, g.count * esz));
+      }
+      if (step + 1 < last) send_segment(step + 1, j);
+    }
+  }
+  t.wait_all();
+}
+
+}  // namespace
+
+void allreduce(Transport& t, Scratch& s, const Tuning& tune, const wire::Call& call, void* buf,
+               size_t count, DataType dtype, ReduceOp op) {
+  if (t.size() == 1) {
+    return;  // sum/min/max/prod/avg of one contribution is itself
+  }
+  if (count * element_size(dtype) <= tune.small_allreduce_bytes || count < static_cast<size_t>(t.size())) {
+    allreduce_recursive_doubling(t, s, call, buf, count, dtype, op);
+  } else {
+    allreduce_ring(t, s, tune, call, buf, count, dtype, op);
+  }
+}
+
+void allreduce_recursive_doubling(Transport& t, Scratch& s, const wire::Call& call, void* buf,
+                                  size_t count, DataType dtype, ReduceOp op) {
+  const int n = t.size();
+  const int r = t.rank();
+  const size_t bytes = count * element_size(dtype);
+  const int p = plan::pow2_floor(n);
+  const int extra = n - p;
+  const wire::Header h = wire::make_header(call, bytes);
+  char* tmp = s.get(0, bytes);
+  if (r >= p) {
+    // Fold in: hand the data to rank r - p, get the final result back.
+    t.send(r - p, h, buf, bytes);
+    t.wait(t.recv(r - p, call, buf, bytes));
+    t.wait_all();
+    return;
+  }
+  if (r < extra) {
+    t.wait(t.recv(r + p, call, tmp, bytes));
+    reduce::reduce_into(dtype, op, buf, tmp, count);
+  }
+  for (int mask = 1; mask < p; mask <<= 1) {
+    const int partner = r ^ mask;
+    t.send(partner, h, buf, bytes);
+    t.recv(partner, call, tmp, bytes);
+    t.wait_all();  // the send reads buf, so reduce only after it is out
+    reduce::reduce_into(dtype, op, buf, tmp, count);
+  }
+  if (op == ReduceOp::kAvg) reduce::finish_avg(dtype, buf, count, n);
+  if (r < extra) {
+    t.send(r + p, h, buf, bytes);
+    t.wait_all();
+  }
+}
+
+void allreduce_ring(Transport& t, Scratch& s, const Tuning& tune, const wire::Call& call, void* buf,
+                    size_t count, DataType dtype, ReduceOp op) {
+  const size_t esz = element_size(dtype);
+  plan::RingPlan p = plan::make_ring_plan(count, t.size(), std::max<size_t>(1, tune.segment_bytes / esz));
+  ring(t, s, call, p, static_cast<char*>(buf), dtype, op, true, true);
+}
+
+void broadcast(Transport& t, const Tuning& tune, const wire::Call& call, void* buf, size_t bytes,
+               int root) {
+  const int n = t.size();
+  if (n == 1) return;
+  const int r = t.rank();
+  const int parent = plan::binomial_parent(r, root, n);
+  const std::vector<int> children = plan::binomial_children(r, root, n);
+  // Segments let children forward the start of a large buffer while the rest still arrives.
+  const size_t seg = std::max<size_t>(1, tune.segment_bytes);
+  const size_t segments = std::max<size_t>(1, (bytes + seg - 1) / seg);
+  char* p = static_cast<char*>(buf);
+  for (size_t i = 0; i < segments; ++i) {
+    plan::Range g = plan::split(bytes, static_cast<int>(segments), static_cast<int>(i));
+    if (parent >= 0) t.wait(t.recv(parent, call, p + g.offset, g.count));
+    for (int c : children) t.send(c, wire::make_header(call, g.count), p + g.offset, g.count);
+  }
+  t.wait_all();
+}
+
+void reduce(Transport& t, Scratch& s, const wire::Call& call, void* buf, size_t count, DataType dtype,
+            ReduceOp op, int root) {
+  const int n = t.size();
+  const int r = t.rank();
+  const size_t bytes = count * element_size(dtype);
+  const int parent = plan::binomial_parent(r, root, n);
+  std::vector<int> children = plan::binomial_children(r, root, n);
+  // Nearest children first: the reverse of broadcast's order, as in a binomial reduction.
+  char* acc = static_cast<char*>(buf);
+  if (r != root && !children.empty()) {
+    acc = s.get(1, bytes);
+    std::memcpy(acc, buf, bytes);
+  }
+  char* tmp = s.get(0, bytes);
+  for (auto it = children.rbegin(); it != children.rend(); ++it) {
+    t.wait(t.recv(*it, call, tmp, bytes));
+    reduce::reduce_into(dtype, op, acc, tmp, count);
+  }
+  if (parent >= 0) {
+    t.send(parent, wire::make_header(call, bytes), acc, bytes);
+    t.wait_all();
+  } else if (op == ReduceOp::kAvg) {
+    reduce::finish_avg(dtype, buf, count, n);
+  }
+}
+
+void allgatherv(Transport& t, const wire::Call& call, const void* in, void* out,
+                const std::vector<size_t>& sizes) {
+  const int n = t.size();
+  const int r = t.rank();
+  std::vector<size_t> displs(static_cast<size_t>(n), 0);
+  for (int i = 1; i < n; ++i) displs[static_cast<size_t>(i)] = displs[static_cast<size_t>(i - 1)] + sizes[static_cast<size_t>(i - 1)];
+  char* o = static_cast<char*>(out);
+  if (o + displs[static_cast<size_t>(r)] != in && sizes[static_cast<size_t>(r)] > 0) {
+    std::memmove(o + displs[static_cast<size_t>(r)], in, sizes[static_cast<size_t>(r)]);
+  }
+  if (n == 1) return;
+  const int next = (r + 1) % n;
+  const int prev = (r - 1 + n) % n;
+  // Step s forwards block (r - s) and receives block (r - s - 1).
+  auto block = [&](int b) { return static_cast<size_t>(((b % n) + n) % n); };
+  size_t b = block(r);
+  t.send(next, wire::make_header(call, sizes[b]), o + displs[b], sizes[b]);
+  for (int step = 0; step < n - 1; ++step) {
+    size_t rb = block(r - step - 1);
+    t.wait(t.recv(prev, call, o + displs[rb], sizes[rb]));
+    if (step + 1 < n - 1) t.send(next, wire::make_header(call, sizes[rb]), o + displs[rb], sizes[rb]);
+  }
+  t.wait_all();
+}
+
+void gather(Transport& t, const wire::Call& call, const void* in, void* out, size_t bytes, int root) {
+  const int n = t.size();
+  const int r = t.rank();
+  if (r != root) {
+    t.send(root, wire::make_header(call, bytes), in, bytes);
+    t.wait_all();
+    return;
+  }
+  char* o = static_cast<char*>(out);
+  if (bytes > 0 && o + static_cast<size_t>(r) * bytes != in) std::memmove(o + static_cast<size_t>(r) * bytes, in, bytes);
+  for (int p = 0; p < n; ++p) {
+    if (p != r) t.recv(p, call, o + static_cast<size_t>(p) * bytes, bytes);
+  }
+  t.wait_all();
+}
+
+void scatter(Transport& t, const wire::Call& call, const void* in, void* out, size_t bytes, int root) {
+  const int n = t.size();
+  const int r = t.rank();
+  if (r != root) {
+    t.wait(t.recv(root, call, out, bytes));
+    return;
+  }
+  const char* i = static_cast<const char*>(in);
+  for (int p = 0; p < n; ++p) {
+    if (p != r) t.send(p, wire::make_header(call, bytes), i + static_cast<size_t>(p) * bytes, bytes);
+  }
+  if (bytes > 0 && i + static_cast<size_t>(r) * bytes != out) std::memmove(out, i + static_cast<size_t>(r) * bytes, bytes);
+  t.wait_all();
+}
+
+void reduce_scatter(Transport& t, Scratch& s, const Tuning& tune, const wire::Call& call, const void* in,
+                    void* out, size_t count, DataType dtype, ReduceOp op) {
+  const int n = t.size();
+  const size_t esz = element_size(dtype);
+  const size_t total = count * static_cast<size_t>(n);
+  if (n == 1) {
+    if (count > 0 && in != out) std::memmove(out, in, count * esz);
+    return;
+  }
+  char* work = s.get(2, total * esz);
+  std::memcpy(work, in, total * esz);
+  // Segments no larger than a block keep every chunk boundary on a block boundary.
+  plan::RingPlan p = plan::make_ring_plan(total, n, std::max<size_t>(1, tune.segment_bytes / esz));
+  ring(t, s, call, p, work, dtype, op, true, false);
+  plan::Range mine = p.chunk(t.rank());
+  std::memcpy(out, work + mine.offset * esz, mine.count * esz);
+}
+
+void alltoall(Transport& t, const wire::Call& call, const void* in, void* out, size_t bytes) {
+  const int n = t.size();
+  const int r = t.rank();
+  const char* i = static_cast<const char*>(in);
+  char* o = static_cast<char*>(out);
+  for (int k = 1; k < n; ++k) {
+    // Staggered partners spread the load instead of everyone sending to rank 0 first.
+    int to = (r + k) % n;
+    int from = (r - k + n) % n;
+    t.send(to, wire::make_header(call, bytes), i + static_cast<size_t>(to) * bytes, bytes);
+    t.recv(from, call, o + static_cast<size_t>(from) * bytes, bytes);
+  }
+  if (bytes > 0) std::memmove(o + static_cast<size_t>(r) * bytes, i + static_cast<size_t>(r) * bytes, bytes);
+  t.wait_all();
+}
+
+void barrier(Transport& t, const wire::Call& call) {
+  const int n = t.size();
+  const int r = t.rank();
+  // Dissemination: after round k every rank has heard, directly or not, from 2^(k+1) ranks.
+  for (int k = 1; k < n; k <<= 1) {
+    t.send((r + k) % n, wire::make_header(call, 0), nullptr, 0);
+    t.wait(t.recv((r - k + n) % n, call, nullptr, 0));
+  }
+  t.wait_all();
+}
+
+}  // namespace chorus::algo

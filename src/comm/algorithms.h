@@ -1,0 +1,57 @@
+// Internal: collective algorithms, written only against transport::Transport.
+//
+// Every function is called by all ranks of the group with the same `call` (op, seq, dtype, count,
+// root) and returns when this rank's part is done. Messages carry the call, so a rank that is in
+// a different call raises MismatchError instead of misreading bytes.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "chorus/comm/types.h"
+#include "message.h"
+#include "transport.h"
+
+namespace chorus::algo {
+
+struct Tuning {
+  size_t segment_bytes = 1 << 20;        // ring pipeline segment
+  size_t small_allreduce_bytes = 256 << 10;  // recursive doubling below this, ring above
+};
+
+// Reusable scratch memory, so steady-state calls allocate and page-fault nothing.
+class Scratch {
+ public:
+  char* get(int slot, size_t bytes);
+
+ private:
+  std::vector<std::vector<char>> slots_;
+};
+
+void allreduce(transport::Transport& t, Scratch& s, const Tuning& tune, const wire::Call& call,
+               void* buf, size_t count, DataType dtype, ReduceOp op);
+void allreduce_recursive_doubling(transport::Transport& t, Scratch& s, const wire::Call& call,
+                                  void* buf, size_t count, DataType dtype, ReduceOp op);
+void allreduce_ring(transport::Transport& t, Scratch& s, const Tuning& tune, const wire::Call& call,
+                    void* buf, size_t count, DataType dtype, ReduceOp op);
+
+void broadcast(transport::Transport& t, const Tuning& tune, const wire::Call& call, void* buf,
+               size_t bytes, int root);
+// The result lands in buf on root; other ranks' buf is left unchanged.
+void reduce(transport::Transport& t, Scratch& s, const wire::Call& call, void* buf, size_t count,
+            DataType dtype, ReduceOp op, int root);
+// out holds every rank's block at displs (bytes); in is this rank's block of sizes[rank] bytes.
+void allgatherv(transport::Transport& t, const wire::Call& call, const void* in, void* out,
+                const std::vector<size_t>& sizes);
+void gather(transport::Transport& t, const wire::Call& call, const void* in, void* out, size_t bytes,
+            int root);
+void scatter(transport::Transport& t, const wire::Call& call, const void* in, void* out, size_t bytes,
+             int root);
+// in holds size * count elements; out receives this rank's reduced block of count elements.
+void reduce_scatter(transport::Transport& t, Scratch& s, const Tuning& tune, const wire::Call& call,
+                    const void* in, void* out, size_t count, DataType dtype, ReduceOp op);
+void alltoall(transport::Transport& t, const wire::Call& call, const void* in, void* out, size_t bytes);
+void barrier(transport::Transport& t, const wire::Call& call);
+
+}  // namespace chorus::algo

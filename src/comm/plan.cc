@@ -1,0 +1,69 @@
+#include "plan.h"
+
+#include <algorithm>
+
+namespace chorus::plan {
+
+Range split(size_t count, int parts, int index) {
+  const size_t p = static_cast<size_t>(parts);
+  const size_t i = static_cast<size_t>(index);
+  const size_t base = count / p;
+  const size_t extra = count % p;
+  Range r;
+  r.count = base + (i < extra ? 1 : 0);
+  r.offset = base * i + std::min(i, extra);
+  return r;
+}
+
+Range RingPlan::segment(int c, int j) const {
+  Range ch = chunk(c);
+  Range s = split(ch.count, segments, j);
+  s.offset += ch.offset;
+  return s;
+}
+
+int RingPlan::send_chunk(int rank, int step) const {
+  return ((rank - step - 1) % ranks + 2 * ranks) % ranks;
+}
+
+int RingPlan::recv_chunk(int rank, int step) const {
+  return ((rank - step - 2) % ranks + 2 * ranks) % ranks;
+}
+
+RingPlan make_ring_plan(size_t count, int ranks, size_t segment_elems) {
+  RingPlan p;
+  p.ranks = ranks;
+  p.count = count;
+  const size_t largest = split(count, ranks, 0).count;
+  const size_t seg = std::max<size_t>(segment_elems, 1);
+  p.segments = static_cast<int>(std::max<size_t>(1, (largest + seg - 1) / seg));
+  return p;
+}
+
+int pow2_floor(int n) {
+  int p = 1;
+  while (p * 2 <= n) p *= 2;
+  return p;
+}
+
+int binomial_parent(int rank, int root, int n) {
+  int vr = (rank - root + n) % n;
+  if (vr == 0) return -1;
+  int mask = 1;
+  while (!(vr & mask)) mask <<= 1;
+  return (vr - mask + root) % n;
+}
+
+std::vector<int> binomial_children(int rank, int root, int n) {
+  int vr = (rank - root + n) % n;
+  int mask = 1;
+  while (mask < n && !(vr & mask)) mask <<= 1;
+  // mask is now vr's lowest set bit (or >= n for the root); children are vr + m for m < mask.
+  std::vector<int> out;
+  for (int m = mask >> 1; m > 0; m >>= 1) {
+    if (vr + m < n) out.push_back((vr + m + root) % n);
+  }
+  return out;
+}
+
+}  // namespace chorus::plan

@@ -1,0 +1,484 @@
+#include "chorus/comm/process_group.h"
+
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include "algorithms.h"
+#include "chorus/comm/error.h"
+#include "chorus/comm/rendezvous.h"
+#include "message.h"
+#include "socket.h"
+#include "transport.h"
+
+namespace chorus {
+namespace {
+
+using net::Clock;
+
+uint8_t classify(const std::exception& e) {
+  if (dynamic_cast<const TimeoutError*>(&e)) return transport::kErrTimeout;
+  if (dynamic_cast<const PeerError*>(&e)) return transport::kErrPeer;
+  if (dynamic_cast<const MismatchError*>(&e)) return transport::kErrMismatch;
+  return transport::kErrOther;
+}
+
+std::exception_ptr make_error(uint8_t cls, const std::string& msg) {
+  switch (cls) {
+    case transport::kErrTimeout: return std::make_exception_ptr(TimeoutError(msg));
+    case transport::kErrPeer: return std::make_exception_ptr(PeerError(msg));
+    case transport::kErrMismatch: return std::make_exception_ptr(MismatchError(msg));
+    default: return std::make_exception_ptr(Error(msg));
+  }
+}
+
+class WorkImpl final : public Work {
+ public:
+  WorkImpl(std::string what, int spin_us) : what_(std::move(what)), spin_us_(spin_us) {}
+
+  bool is_completed() const override { return state_.load(std::memory_order_acquire) != 0; }
+  bool is_success() const override { return state_.load(std::memory_order_acquire) == 1; }
+
+  void wait() override {
+    spin();
+    if (!is_completed()) {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return is_completed(); });
+    }
+    if (error_) std::rethrow_exception(error_);
+  }
+
+  void wait(std::chrono::milliseconds timeout) override {
+    spin();
+    if (!is_completed()) {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (!cv_.wait_for(lock, timeout, [&] { return is_completed(); })) {
+        throw TimeoutError("chorus: Work::wait: " + what_ + " did not complete within " +
+                           net::format_duration(timeout) + "; it is still running");
+      }
+    }
+    if (error_) std::rethrow_exception(error_);
+  }
+
+  std::exception_ptr exception() const override {
+    return is_completed() ? error_ : nullptr;
+  }
+  const std::vector<std::string>& objects() const override { return objects_; }
+
+  void finish(std::exception_ptr error) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      error_ = std::move(error);
+      state_.store(error_ ? 2 : 1, std::memory_order_release);
+    }
+    cv_.notify_all();
+  }
+
+  std::vector<std::string> objects_;
+
+ private:
+  void spin() {
+    if (spin_us_ <= 0) return;
+    auto until = Clock::now() + std::chrono::microseconds(spin_us_);
+    while (!is_completed() && Clock::now() < until) {
+    }
+  }
+
+  std::string what_;
+  int spin_us_;
+  std::atomic<int> state_{0};  // 0 running, 1 done, 2 failed
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::exception_ptr error_;
+};
+
+struct Task {
+  std::shared_ptr<WorkImpl> work;
+  wire::Call call;
+  std::function<void(WorkImpl&, const wire::Call&)> run;
+};
+
+}  // namespace
+
+struct ProcessGroup::Impl {
+  std::shared_ptr<Store> store;
+  int rank;
+  int size;
+  ProcessGroupOptions opts;
+  std::unique_ptr<transport::Transport> transport;
+  algo::Scratch scratch;
+  algo::Tuning tune;
+
+  std::mutex mu;  // guards the queue, the sequence counters and stopping
+  std::condition_variable cv;
+  std::deque<Task> queue;
+  bool stopping = false;
+  uint64_t seq = 0;
+  std::vector<uint64_t> send_seq, recv_seq;
+  int next_group_id = 0;
+  std::thread worker;
+
+  std::atomic<bool> broken{false};
+  std::string broken_msg;  // written by the worker before broken is set
+  uint8_t broken_class = transport::kErrOther;
+
+  std::string me() const { return "chorus: rank " + std::to_string(rank); }
+
+  void check_root(int root, const char* op) const {
+    if (root < 0 || root >= size) {
+      throw UsageError(me() + ": " + op + ": root " + std::to_string(root) + " is not a rank of this group of size " +
+                       std::to_string(size));
+    }
+  }
+  void check_buffer(const void* p, size_t count, const char* op) const {
+    if (p == nullptr && count > 0) throw UsageError(me() + ": " + op + ": null buffer for " + std::to_string(count) + " elements");
+  }
+
+  std::shared_ptr<Work> enqueue(wire::OpType op, DataType dtype, ReduceOp rop, uint64_t count, int64_t arg,
+                                std::function<void(WorkImpl&, const wire::Call&)> run, int p2p_peer = -1) {
+    std::unique_lock<std::mutex> lock(mu);
+    if (stopping) throw UsageError(me() + ": " + wire::op_name(op) + " called on a process group that was shut down");
+    wire::Call call;
+    call.op = op;
+    call.dtype = dtype;
+    call.reduce_op = rop;
+    call.count = count;
+    call.arg = arg;
+    if (op == wire::OpType::kSend) {
+      call.seq = send_seq[static_cast<size_t>(p2p_peer)]++;
+    } else if (op == wire::OpType::kRecv) {
+      call.seq = recv_seq[static_cast<size_t>(p2p_peer)]++;
+    } else {
+      call.seq = seq++;
+    }
+    auto work = std::make_shared<WorkImpl>(wire::describe(call), opts.spin_us);
+    if (broken.load(std::memory_order_acquire)) {
+      work->finish(make_error(broken_class, me() + ": " + wire::describe(call) +
+                                                " not run: the process group is broken since an earlier "
+                                                "operation failed: " + broken_msg));
+      return work;
+    }
+    queue.push_back(Task{work, call, std::move(run)});
+    lock.unlock();
+    cv.notify_one();
+    return work;
+  }
+
+  void loop() {
+    for (;;) {
+      Task task;
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] { return stopping || !queue.empty(); });
+        if (queue.empty()) return;
+        task = std::move(queue.front());
+        queue.pop_front();
+      }
+      if (broken.load(std::memory_order_acquire)) {
+        task.work->finish(make_error(broken_class, me() + ": " + wire::describe(task.call) +
+                                                       " not run: the process group is broken since an "
+                                                       "earlier operation failed: " + broken_msg));
+        continue;
+      }
+      try {
+        transport->begin(task.call, net::deadline_after(opts.timeout));
+        task.run(*task.work, task.call);
+        task.work->finish(nullptr);
+      } catch (const std::exception& e) {
+        uint8_t cls = classify(e);
+        broken_msg = e.what();
+        broken_class = cls;
+        broken.store(true, std::memory_order_release);
+        transport->abort(e.what(), cls);
+        task.work->finish(std::current_exception());
+      }
+    }
+  }
+};
+
+ProcessGroup::ProcessGroup(std::shared_ptr<Store> store, int rank, int size, ProcessGroupOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  if (!store) throw UsageError("chorus: ProcessGroup needs a store");
+  if (size < 1 || rank < 0 || rank >= size) {
+    throw UsageError("chorus: invalid rank " + std::to_string(rank) + " for world size " + std::to_string(size) +
+                     "; rank must be in [0, world_size)");
+  }
+  if (options.transport != "tcp") {
+    throw UsageError("chorus: unknown transport '" + options.transport + "'; available: tcp");
+  }
+  Impl& m = *impl_;
+  m.store = std::move(store);
+  m.rank = rank;
+  m.size = size;
+  m.opts = options;
+  m.tune.segment_bytes = std::max<size_t>(options.segment_bytes, 1);
+  m.tune.small_allreduce_bytes = options.small_allreduce_bytes;
+  m.send_seq.assign(static_cast<size_t>(size), 0);
+  m.recv_seq.assign(static_cast<size_t>(size), 0);
+
+  transport::TcpOptions to;
+  to.store = m.store.get();
+  to.key_prefix = "chorus/pg/" + options.group_name;
+  to.group_name = options.group_name;
+  to.rank = rank;
+  to.size = size;
+  to.token = options.token;
+  to.advertise_host = options.advertise_host;
+  to.deadline = net::deadline_after(options.timeout);
+  to.socket_buffer_bytes = options.socket_buffer_bytes;
+  to.spin_us = options.spin_us;
+  m.transport = transport::make_tcp_transport(to);
+  m.worker = std::thread([this] { impl_->loop(); });
+}
+
+ProcessGroup::~ProcessGroup() { shutdown(); }
+
+void ProcessGroup::shutdown() {
+  Impl& m = *impl_;
+  {
+    std::lock_guard<std::mutex> lock(m.mu);
+    if (m.stopping && !m.worker.joinable()) return;
+    m.stopping = true;
+  }
+  m.cv.notify_all();
+  if (m.worker.joinable()) m.worker.join();
+  if (m.transport) m.transport->close();
+}
+
+int ProcessGroup::rank() const { return impl_->rank; }
+int ProcessGroup::size() const { return impl_->size; }
+const ProcessGroupOptions& ProcessGroup::options() const { return impl_->opts; }
+
+using algo::Scratch;
+using wire::Call;
+using wire::OpType;
+
+std::shared_ptr<Work> ProcessGroup::allreduce(void* data, size_t count, DataType dtype, ReduceOp op) {
+  Impl& m = *impl_;
+  m.check_buffer(data, count, "allreduce");
+  element_size(dtype);
+  return m.enqueue(OpType::kAllreduce, dtype, op, count, 0, [&m, data, count, dtype, op](WorkImpl&, const Call& c) {
+    algo::allreduce(*m.transport, m.scratch, m.tune, c, data, count, dtype, op);
+  });
+}
+
+std::shared_ptr<Work> ProcessGroup::broadcast(void* data, size_t count, DataType dtype, int root) {
+  Impl& m = *impl_;
+  m.check_buffer(data, count, "broadcast");
+  m.check_root(root, "broadcast");
+  const size_t bytes = count * element_size(dtype);
+  return m.enqueue(OpType::kBroadcast, dtype, ReduceOp::kSum, count, root, [&m, data, bytes, root](WorkImpl&, const Call& c) {
+    algo::broadcast(*m.transport, m.tune, c, data, bytes, root);
+  });
+}
+
+std::shared_ptr<Work> ProcessGroup::reduce(void* data, size_t count, DataType dtype, ReduceOp op, int root) {
+  Impl& m = *impl_;
+  m.check_buffer(data, count, "reduce");
+  m.check_root(root, "reduce");
+  element_size(dtype);
+  return m.enqueue(OpType::kReduce, dtype, op, count, root, [&m, data, count, dtype, op, root](WorkImpl&, const Call& c) {
+    algo::reduce(*m.transport, m.scratch, c, data, count, dtype, op, root);
+  });
+}
+
+std::shared_ptr<Work> ProcessGroup::allgather(const void* in, void* out, size_t count, DataType dtype) {
+  Impl& m = *impl_;
+  m.check_buffer(in, count, "allgather");
+  m.check_buffer(out, count, "allgather");
+  const size_t bytes = count * element_size(dtype);
+  std::vector<size_t> sizes(static_cast<size_t>(m.size), bytes);
+  return m.enqueue(OpType::kAllgather, dtype, ReduceOp::kSum, count, 0,
+                   [&m, in, out, sizes = std::move(sizes)](WorkImpl&, const Call& c) {
+                     algo::allgatherv(*m.transport, c, in, out, sizes);
+                   });
+}
+
+std::shared_ptr<Work> ProcessGroup::allgatherv(const void* in, void* out, const std::vector<size_t>& counts,
+                                               DataType dtype) {
+  Impl& m = *impl_;
+  if (counts.size() != static_cast<size_t>(m.size)) {
+    throw UsageError(m.me() + ": allgatherv: counts has " + std::to_string(counts.size()) +
+                     " entries; it needs one per rank (" + std::to_string(m.size) + ")");
+  }
+  const size_t esz = element_size(dtype);
+  size_t total = 0;
+  std::vector<size_t> sizes;
+  for (size_t n : counts) {
+    sizes.push_back(n * esz);
+    total += n;
+  }
+  m.check_buffer(in, counts[static_cast<size_t>(m.rank)], "allgatherv");
+  m.check_buffer(out, total, "allgatherv");
+  return m.enqueue(OpType::kAllgather, dtype, ReduceOp::kSum, total, 1,
+                   [&m, in, out, sizes = std::move(sizes)](WorkImpl&, const Call& c) {
+                     algo::allgatherv(*m.transport, c, in, out, sizes);
+                   });
+}
+
+std::shared_ptr<Work> ProcessGroup::gather(const void* in, void* out, size_t count, DataType dtype, int root) {
+  Impl& m = *impl_;
+  m.check_root(root, "gather");
+  m.check_buffer(in, count, "gather");
+  if (m.rank == root) m.check_buffer(out, count, "gather");
+  const size_t bytes = count * element_size(dtype);
+  return m.enqueue(OpType::kGather, dtype, ReduceOp::kSum, count, root, [&m, in, out, bytes, root](WorkImpl&, const Call& c) {
+    algo::gather(*m.transport, c, in, out, bytes, root);
+  });
+}
+
+std::shared_ptr<Work> ProcessGroup::scatter(const void* in, void* out, size_t count, DataType dtype, int root) {
+  Impl& m = *impl_;
+  m.check_root(root, "scatter");
+  m.check_buffer(out, count, "scatter");
+  if (m.rank == root) m.check_buffer(in, count, "scatter");
+  const size_t bytes = count * element_size(dtype);
+  return m.enqueue(OpType::kScatter, dtype, ReduceOp::kSum, count, root, [&m, in, out, bytes, root](WorkImpl&, const Call& c) {
+    algo::scatter(*m.transport, c, in, out, bytes, root);
+  });
+}
+
+std::shared_ptr<Work> ProcessGroup::reduce_scatter(const void* in, void* out, size_t count, DataType dtype,
+                                                   ReduceOp op) {
+  Impl& m = *impl_;
+  m.check_buffer(in, count, "reduce_scatter");
+  m.check_buffer(out, count, "reduce_scatter");
+  element_size(dtype);
+  return m.enqueue(OpType::kReduceScatter, dtype, op, count, 0, [&m, in, out, count, dtype, op](WorkImpl&, const Call& c) {
+    algo::reduce_scatter(*m.transport, m.scratch, m.tune, c, in, out, count, dtype, op);
+  });
+}
+
+std::shared_ptr<Work> ProcessGroup::alltoall(const void* in, void* out, size_t count, DataType dtype) {
+  Impl& m = *impl_;
+  m.check_buffer(in, count, "alltoall");
+  m.check_buffer(out, count, "alltoall");
+  const size_t bytes = count * element_size(dtype);
+  return m.enqueue(OpType::kAlltoall, dtype, ReduceOp::kSum, count, 0, [&m, in, out, bytes](WorkImpl&, const Call& c) {
+    algo::alltoall(*m.transport, c, in, out, bytes);
+  });
+}
+
+std::shared_ptr<Work> ProcessGroup::barrier() {
+  Impl& m = *impl_;
+  return m.enqueue(OpType::kBarrier, DataType::kUInt8, ReduceOp::kSum, 0, 0, [&m](WorkImpl&, const Call& c) {
+    algo::barrier(*m.transport, c);
+  });
+}
+
+std::shared_ptr<Work> ProcessGroup::send(const void* data, size_t count, DataType dtype, int dst, int tag) {
+  Impl& m = *impl_;
+  m.check_buffer(data, count, "send");
+  if (dst < 0 || dst >= m.size || dst == m.rank) {
+    throw UsageError(m.me() + ": send: destination " + std::to_string(dst) + " must be another rank of this group of size " +
+                     std::to_string(m.size));
+  }
+  const size_t bytes = count * element_size(dtype);
+  return m.enqueue(OpType::kSend, dtype, ReduceOp::kSum, count, tag,
+                   [&m, data, bytes, dst](WorkImpl&, const Call& c) {
+                     m.transport->send(dst, wire::make_header(c, bytes), data, bytes);
+                     m.transport->wait_all();
+                   }, dst);
+}
+
+std::shared_ptr<Work> ProcessGroup::recv(void* data, size_t count, DataType dtype, int src, int tag) {
+  Impl& m = *impl_;
+  m.check_buffer(data, count, "recv");
+  if (src < 0 || src >= m.size || src == m.rank) {
+    throw UsageError(m.me() + ": recv: source " + std::to_string(src) + " must be another rank of this group of size " +
+                     std::to_string(m.size));
+  }
+  const size_t bytes = count * element_size(dtype);
+  return m.enqueue(OpType::kRecv, dtype, ReduceOp::kSum, count, tag,
+                   [&m, data, bytes, src](WorkImpl&, const Call& c) {
+                     m.transport->wait(m.transport->recv(src, c, data, bytes));
+                   }, src);
+}
+
+std::shared_ptr<Work> ProcessGroup::all_gather_object(std::string object) {
+  Impl& m = *impl_;
+  return m.enqueue(OpType::kAllgatherObject, DataType::kUInt8, ReduceOp::kSum, 0, 0,
+                   [&m, object = std::move(object)](WorkImpl& w, const Call& c) {
+    const size_t n = static_cast<size_t>(m.size);
+    // First the sizes (int64 each), then the bytes back to back.
+    std::vector<int64_t> lens(n, 0);
+    int64_t mine = static_cast<int64_t>(object.size());
+    Call sc = c;
+    sc.dtype = DataType::kInt64;
+    sc.count = n;
+    algo::allgatherv(*m.transport, sc, &mine, lens.data(), std::vector<size_t>(n, sizeof(int64_t)));
+    std::vector<size_t> sizes(n);
+    size_t total = 0;
+    for (size_t i = 0; i < n; ++i) {
+      sizes[i] = static_cast<size_t>(lens[i]);
+      total += sizes[i];
+    }
+    std::string all(total, '\0');
+    Call dc = c;
+    dc.count = total;
+    algo::allgatherv(*m.transport, dc, object.data(), all.data(), sizes);
+    w.objects_.clear();
+    size_t off = 0;
+    for (size_t i = 0; i < n; ++i) {
+      w.objects_.push_back(all.substr(off, sizes[i]));
+      off += sizes[i];
+    }
+  });
+}
+
+std::shared_ptr<Work> ProcessGroup::broadcast_object(std::string object, int root) {
+  Impl& m = *impl_;
+  m.check_root(root, "broadcast_object");
+  return m.enqueue(OpType::kBroadcastObject, DataType::kUInt8, ReduceOp::kSum, 0, root,
+                   [&m, object = std::move(object), root](WorkImpl& w, const Call& c) {
+    int64_t len = static_cast<int64_t>(object.size());
+    Call sc = c;
+    sc.dtype = DataType::kInt64;
+    sc.count = 1;
+    algo::broadcast(*m.transport, m.tune, sc, &len, sizeof(len), root);
+    std::string data = m.rank == root ? object : std::string(static_cast<size_t>(len), '\0');
+    Call dc = c;
+    dc.count = static_cast<uint64_t>(len);
+    algo::broadcast(*m.transport, m.tune, dc, data.data(), data.size(), root);
+    w.objects_.assign(1, std::move(data));
+  });
+}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ranks) {
+  Impl& m = *impl_;
+  std::set<int> unique(ranks.begin(), ranks.end());
+  if (ranks.empty() || unique.size() != ranks.size() || *unique.begin() < 0 || *unique.rbegin() >= m.size) {
+    throw UsageError(m.me() + ": new_group: ranks must be distinct members of this group [0, " +
+                     std::to_string(m.size) + ") and not empty");
+  }
+  int id;
+  {
+    std::lock_guard<std::mutex> lock(m.mu);
+    id = m.next_group_id++;
+  }
+  int my_index = -1;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (ranks[i] == m.rank) my_index = static_cast<int>(i);
+  }
+  if (my_index < 0) return nullptr;
+  ProcessGroupOptions o = m.opts;
+  o.group_name = m.opts.group_name + "/" + std::to_string(id);
+  return std::make_shared<ProcessGroup>(m.store, my_index, static_cast<int>(ranks.size()), o);
+}
+
+std::shared_ptr<ProcessGroup> connect_process_group(const std::string& init_method, int rank, int world_size,
+                                                    ProcessGroupOptions options) {
+  RendezvousOptions ro;
+  ro.timeout = options.timeout;
+  Rendezvous rv = rendezvous(init_method, rank, world_size, ro);
+  if (options.token.empty()) options.token = rv.token;
+  if (options.advertise_host.empty()) options.advertise_host = rv.local_address;
+  return std::make_shared<ProcessGroup>(rv.store, rv.rank, rv.world_size, options);
+}
+
+}  // namespace chorus

@@ -1,0 +1,229 @@
+// rendezvous(): an init URL (and, for env://, the environment) becomes a store, a rank and a
+// world size. This and the launcher are the only places that read the environment.
+#include "chorus/comm/rendezvous.h"
+
+#include <algorithm>
+#include <cctype>
+#include <charconv>
+#include <cstdlib>
+#include <map>
+
+#include "chorus/comm/error.h"
+#include "chorus/comm/tcp_store.h"
+
+namespace chorus {
+namespace {
+
+constexpr const char* kForms =
+    "env://, tcp://HOST:PORT?rank=R&world_size=W[&token=T] or file:///PATH?rank=R&world_size=W";
+
+struct Url {
+  std::string text;    // as given, for messages
+  std::string scheme;  // "env", "tcp", "file"
+  std::string body;    // between "://" and "?"
+  std::map<std::string, std::string> query;
+};
+
+[[noreturn]] void bad_url(const Url& url, const std::string& what) {
+  throw UsageError("rendezvous URL '" + url.text + "': " + what);
+}
+
+std::string percent_decode(const Url& url, const std::string& s) {
+  std::string out;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] != '%') {
+      out.push_back(s[i]);
+      continue;
+    }
+    if (i + 2 >= s.size() || !std::isxdigit(static_cast<unsigned char>(s[i + 1])) ||
+        !std::isxdigit(static_cast<unsigned char>(s[i + 2]))) {
+      bad_url(url, "bad percent escape in '" + s + "'");
+    }
+    out.push_back(static_cast<char>(std::stoi(s.substr(i + 1, 2), nullptr, 16)));
+    i += 2;
+  }
+  return out;
+}
+
+Url parse_url(const std::string& text) {
+  Url url;
+  url.text = text;
+  const size_t sep = text.find("://");
+  if (sep == std::string::npos || sep == 0) {
+    throw UsageError("malformed rendezvous URL '" + text + "': expected " + kForms);
+  }
+  url.scheme = text.substr(0, sep);
+  std::transform(url.scheme.begin(), url.scheme.end(), url.scheme.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  if (url.scheme != "env" && url.scheme != "tcp" && url.scheme != "file") {
+    throw UsageError("unsupported rendezvous URL scheme '" + url.scheme + "://' in '" + text +
+                     "': use " + kForms);
+  }
+  const std::string rest = text.substr(sep + 3);
+  const size_t q = rest.find('?');
+  url.body = percent_decode(url, rest.substr(0, q));
+  if (q == std::string::npos) return url;
+  const std::string query = rest.substr(q + 1);
+  size_t start = 0;
+  while (start <= query.size()) {
+    size_t end = query.find('&', start);
+    if (end == std::string::npos) end = query.size();
+    const std::string item = query.substr(start, end - start);
+    start = end + 1;
+    if (item.empty()) continue;
+    const size_t eq = item.find('=');
+    if (eq == std::string::npos) {
+      bad_url(url, "parameter '" + item + "' has no value (write name=value)");
+    }
+    const std::string name = item.substr(0, eq);
+    if (name != "rank" && name != "world_size" && name != "token") {
+      bad_url(url, "unknown parameter '" + name + "'; known ones are rank, world_size and token");
+    }
+    if (!url.query.emplace(name, percent_decode(url, item.substr(eq + 1))).second) {
+      bad_url(url, "parameter '" + name + "' given twice");
+    }
+  }
+  return url;
+}
+
+// Strict decimal integer: the whole text, in [lo, hi].
+bool parse_int(const std::string& text, int lo, int hi, int* out) {
+  int v = 0;
+  auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (text.empty() || ec != std::errc() || ptr != text.data() + text.size() || v < lo || v > hi) {
+    return false;
+  }
+  *out = v;
+  return true;
+}
+
+const char* env(const char* name) {
+  const char* v = std::getenv(name);
+  return (v != nullptr && v[0] != '\0') ? v : nullptr;
+}
+
+bool env_flag(const char* name) {
+  const char* v = env(name);
+  if (v == nullptr) return false;
+  std::string s(v);
+  std::transform(s.begin(), s.end(), s.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return s == "1" || s == "true" || s == "yes" || s == "on";
+}
+
+// The rank or world size: the explicit argument, else the URL's parameter, else (env:// only) the
+// environment variable.
+int resolve_int(const Url& url, int arg, const char* param, const char* var, int lo) {
+  if (arg >= 0) return arg;
+  int v = 0;
+  auto it = url.query.find(param);
+  if (it != url.query.end()) {
+    if (!parse_int(it->second, lo, 1 << 30, &v)) {
+      bad_url(url, std::string(param) + " must be an integer >= " + std::to_string(lo) + ", got '" +
+                       it->second + "'");
+    }
+    return v;
+  }
+  if (url.scheme == "env") {
+    const char* text = env(var);
+    if (text == nullptr) {
+      throw UsageError(std::string("env:// rendezvous needs ") + var + "; set it, pass " + param +
+                       " explicitly, or use chorus run");
+    }
+    if (!parse_int(text, lo, 1 << 30, &v)) {
+      throw UsageError(std::string("env:// rendezvous: ") + var +
+                       " must be an integer >= " + std::to_string(lo) + ", got '" + text + "'");
+    }
+    return v;
+  }
+  bad_url(url, std::string("no ") + param + "; add ?rank=R&world_size=W to the URL or pass " +
+                   param + " explicitly");
+}
+
+// "host:port" or "[v6]:port".
+void split_host_port(const Url& url, const std::string& text, std::string* host, int* port) {
+  std::string port_text;
+  if (!text.empty() && text[0] == '[') {
+    const size_t close = text.find(']');
+    if (close == std::string::npos || close + 1 >= text.size() || text[close + 1] != ':') {
+      bad_url(url, "expected [IPV6]:PORT, got '" + text + "'");
+    }
+    *host = text.substr(1, close - 1);
+    port_text = text.substr(close + 2);
+  } else {
+    const size_t colon = text.rfind(':');
+    if (colon == std::string::npos) bad_url(url, "no port; write tcp://HOST:PORT");
+    *host = text.substr(0, colon);
+    port_text = text.substr(colon + 1);
+  }
+  if (host->empty()) bad_url(url, "no host; write tcp://HOST:PORT");
+  if (!parse_int(port_text, 1, 65535, port)) {
+    bad_url(url, "port must be an integer in [1, 65535], got '" + port_text + "'");
+  }
+}
+
+}  // namespace
+
+Rendezvous rendezvous(const std::string& text, int rank, int world_size,
+                      RendezvousOptions options) {
+  const Url url = parse_url(text);
+  Rendezvous rv;
+  rv.world_size = resolve_int(url, world_size, "world_size", "WORLD_SIZE", 1);
+  rv.rank = resolve_int(url, rank, "rank", "RANK", 0);
+  if (rv.world_size < 1) {
+    throw UsageError("rendezvous '" + text + "': world_size must be >= 1, got " +
+                     std::to_string(rv.world_size));
+  }
+  if (rv.rank >= rv.world_size) {
+    throw UsageError("rendezvous '" + text + "': rank " + std::to_string(rv.rank) +
+                     " is outside [0, " + std::to_string(rv.world_size) + ") for world_size " +
+                     std::to_string(rv.world_size));
+  }
+  auto token = url.query.find("token");
+  if (token != url.query.end()) {
+    rv.token = token->second;
+  } else if (const char* t = env("CHORUS_JOB_TOKEN")) {
+    rv.token = t;
+  }
+
+  if (url.scheme == "file") {
+    if (url.body.empty() || url.body[0] != '/') {
+      bad_url(url, "file:// needs an absolute path: file:///PATH?rank=R&world_size=W");
+    }
+    rv.store = std::make_shared<FileStore>(url.body, options.timeout);
+    return rv;
+  }
+
+  TcpStoreOptions store;
+  if (url.scheme == "env") {
+    if (!url.body.empty()) {
+      bad_url(url, "env:// takes no address: MASTER_ADDR and MASTER_PORT give it");
+    }
+    const char* addr = env("MASTER_ADDR");
+    if (addr == nullptr) {
+      throw UsageError("env:// rendezvous needs MASTER_ADDR; set it or use chorus run");
+    }
+    const char* port = env("MASTER_PORT");
+    if (port == nullptr) {
+      throw UsageError("env:// rendezvous needs MASTER_PORT; set it or use chorus run");
+    }
+    store.host = addr;
+    if (!parse_int(port, 1, 65535, &store.port)) {
+      throw UsageError(
+          std::string("env:// rendezvous: MASTER_PORT must be a port in [1, 65535], got '") + port +
+          "'");
+    }
+  } else {
+    split_host_port(url, url.body, &store.host, &store.port);
+  }
+  // Rank 0 hosts the server unless a launcher already does.
+  store.is_server = rv.rank == 0 && !env_flag("CHORUS_STORE_EXTERNAL");
+  store.token = rv.token;
+  store.timeout = options.timeout;
+  auto tcp = std::make_shared<TcpStore>(store);
+  rv.local_address = tcp->local_address();
+  rv.store = std::move(tcp);
+  return rv;
+}
+
+}  // namespace chorus

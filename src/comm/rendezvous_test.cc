@@ -1,0 +1,242 @@
+// rendezvous(): URL and environment parsing, its errors, and each scheme with two ranks as threads.
+#include "chorus/comm/rendezvous.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <map>
+#include <string>
+#include <thread>
+
+#include "chorus/comm/error.h"
+#include "chorus/comm/tcp_store.h"
+#include "socket.h"
+
+namespace chorus {
+namespace {
+
+using namespace std::chrono_literals;
+using ::testing::HasSubstr;
+
+// A port nothing listens on (the kernel's pick, released again).
+int free_port() {
+  net::Fd fd = net::listen_tcp("127.0.0.1", 0);
+  return net::local_port(fd.get());
+}
+
+std::string temp_path() {
+  const char* dir = std::getenv("TMPDIR");
+  std::string pattern = std::string(dir != nullptr && dir[0] != '\0' ? dir : "/tmp") +
+                        "/chorus-rendezvous-test-XXXXXX";
+  int fd = ::mkstemp(pattern.data());
+  if (fd < 0) throw std::runtime_error("mkstemp failed for " + pattern);
+  ::close(fd);
+  return pattern;
+}
+
+RendezvousOptions quick() {
+  RendezvousOptions options;
+  options.timeout = 5s;
+  return options;
+}
+
+// Expects rendezvous(url, ...) to throw UsageError whose message contains every one of `parts`.
+void expect_usage_error(const std::string& url, std::initializer_list<const char*> parts,
+                        int rank = -1, int world_size = -1) {
+  try {
+    rendezvous(url, rank, world_size, quick());
+    ADD_FAILURE() << "'" << url << "' was accepted";
+  } catch (const UsageError& e) {
+    for (const char* part : parts) EXPECT_THAT(e.what(), HasSubstr(part)) << "for '" << url << "'";
+  }
+}
+
+// Runs rendezvous on ranks 0 and 1 as two threads; each publishes its rank and reads the other's.
+void exchange_two_ranks(const std::string& url,
+                        const std::function<void(const Rendezvous&)>& check = {}) {
+  std::string errors[2];
+  auto run = [&](int rank) {
+    try {
+      Rendezvous rv = rendezvous(url, rank, -1, quick());
+      if (rv.rank != rank || rv.world_size != 2) {
+        throw std::runtime_error("wrong rank or world size");
+      }
+      rv.store->set("rank" + std::to_string(rank), std::to_string(rank));
+      if (rv.store->get("rank" + std::to_string(1 - rank)) != std::to_string(1 - rank)) {
+        throw std::runtime_error("wrong value from the other rank");
+      }
+      if (check) check(rv);
+      // Rank 0 may host the store: it leaves after rank 1 is done with it.
+      if (rank == 1) {
+        rv.store->set("done1", "");
+      } else {
+        rv.store->wait({"done1"});
+      }
+    } catch (const std::exception& e) {
+      errors[rank] = e.what();
+    }
+  };
+  std::thread r1(run, 1);
+  run(0);
+  r1.join();
+  EXPECT_EQ(errors[0], "");
+  EXPECT_EQ(errors[1], "");
+}
+
+// Clears the variables rendezvous reads and restores them afterwards.
+class RendezvousTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    for (const char* name : kVars) {
+      const char* v = std::getenv(name);
+      if (v != nullptr) saved_[name] = v;
+      ::unsetenv(name);
+    }
+  }
+  void TearDown() override {
+    for (const char* name : kVars) {
+      auto it = saved_.find(name);
+      if (it != saved_.end()) {
+        ::setenv(name, it->second.c_str(), 1);
+      } else {
+        ::unsetenv(name);
+      }
+    }
+  }
+  static constexpr const char* kVars[] = {
+      "MASTER_ADDR", "MASTER_PORT",      "RANK",
+      "WORLD_SIZE",  "CHORUS_JOB_TOKEN", "CHORUS_STORE_EXTERNAL"};
+  std::map<std::string, std::string> saved_;
+};
+
+TEST_F(RendezvousTest, MalformedUrlsAreUsageErrors) {
+  expect_usage_error("", {"malformed rendezvous URL", "env://"});
+  expect_usage_error("127.0.0.1:29500", {"malformed rendezvous URL", "tcp://HOST:PORT"});
+  expect_usage_error("http://host:1?rank=0&world_size=1",
+                     {"unsupported", "http://", "file:///PATH"});
+  expect_usage_error("tcp://host?rank=0&world_size=1", {"no port"});
+  expect_usage_error("tcp://:123?rank=0&world_size=1", {"no host"});
+  expect_usage_error("tcp://host:99999?rank=0&world_size=1", {"port", "99999"});
+  expect_usage_error("tcp://host:12?rank=0", {"no world_size"});
+  expect_usage_error("tcp://host:12?world_size=2", {"no rank"});
+  expect_usage_error("tcp://host:12?rank=x&world_size=2", {"rank must be an integer", "'x'"});
+  expect_usage_error("tcp://host:12?rank=0&world_size=2&wrold=3", {"unknown parameter 'wrold'"});
+  expect_usage_error("tcp://host:12?rank=0&rank=1&world_size=2", {"given twice"});
+  expect_usage_error("tcp://[::1?rank=0&world_size=2", {"[IPV6]:PORT"});
+  expect_usage_error("file://relative/path?rank=0&world_size=1", {"absolute path"});
+  expect_usage_error("env://somewhere", {"MASTER_ADDR and MASTER_PORT"}, 0, 1);
+}
+
+TEST_F(RendezvousTest, RankMustBeInsideTheWorld) {
+  expect_usage_error("tcp://127.0.0.1:1?rank=2&world_size=2", {"rank 2", "[0, 2)"});
+  expect_usage_error("tcp://127.0.0.1:1?rank=0&world_size=2", {"rank 5", "[0, 2)"}, 5);
+  expect_usage_error("tcp://127.0.0.1:1?rank=0&world_size=0",
+                     {"world_size must be an integer >= 1"});
+  expect_usage_error("tcp://127.0.0.1:1?rank=0&world_size=2", {"world_size must be >= 1"}, -1, 0);
+}
+
+TEST_F(RendezvousTest, EnvNamesEachMissingVariable) {
+  expect_usage_error("env://", {"needs WORLD_SIZE"});
+  ::setenv("WORLD_SIZE", "2", 1);
+  expect_usage_error("env://", {"needs RANK"});
+  ::setenv("RANK", "1", 1);
+  expect_usage_error("env://", {"env:// rendezvous needs MASTER_ADDR; set it or use chorus run"});
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+  expect_usage_error("env://", {"env:// rendezvous needs MASTER_PORT; set it or use chorus run"});
+  ::setenv("MASTER_PORT", "http", 1);
+  expect_usage_error("env://", {"MASTER_PORT must be a port", "'http'"});
+  ::setenv("RANK", "2", 1);
+  expect_usage_error("env://", {"rank 2", "[0, 2)"});
+}
+
+TEST_F(RendezvousTest, TcpRankZeroHostsTheStore) {
+  const int port = free_port();
+  const std::string url =
+      "tcp://127.0.0.1:" + std::to_string(port) + "?world_size=2&token=tcp-token";
+  exchange_two_ranks(url, [](const Rendezvous& rv) {
+    if (rv.token != "tcp-token") throw std::runtime_error("token " + rv.token);
+    if (rv.local_address != "127.0.0.1") {
+      throw std::runtime_error("local address " + rv.local_address);
+    }
+    if (rv.store->timeout() != 5s) throw std::runtime_error("store timeout is not options.timeout");
+  });
+}
+
+TEST_F(RendezvousTest, TcpWithAnExternalServerChecksTheToken) {
+  TcpStoreServerOptions options;
+  options.host = "127.0.0.1";
+  options.token = "secret";
+  options.quiet = true;
+  TcpStoreServer server(options);
+  ::setenv("CHORUS_STORE_EXTERNAL", "1", 1);
+  const std::string base = "tcp://127.0.0.1:" + std::to_string(server.port()) + "?world_size=2";
+  // Rank 0 must not try to host: the port is taken, so hosting would fail.
+  exchange_two_ranks(base + "&token=secret");
+  try {
+    rendezvous(base + "&token=other", 1, -1, quick());
+    FAIL() << "a wrong token was accepted";
+  } catch (const HandshakeError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("job token mismatch"));
+  }
+  // The token comes from CHORUS_JOB_TOKEN when the URL has none.
+  ::setenv("CHORUS_JOB_TOKEN", "secret", 1);
+  Rendezvous rv = rendezvous(base, 1, -1, quick());
+  EXPECT_EQ(rv.token, "secret");
+  EXPECT_EQ(server.refused_connections(), 1);
+}
+
+TEST_F(RendezvousTest, FileStoreForTwoRanks) {
+  const std::string path = temp_path();
+  exchange_two_ranks("file://" + path + "?world_size=2", [&](const Rendezvous& rv) {
+    if (rv.local_address != "") throw std::runtime_error("a FileStore has no local address");
+    if (rv.store->describe() != "FileStore(" + path + ")") {
+      throw std::runtime_error(rv.store->describe());
+    }
+  });
+  std::remove(path.c_str());
+}
+
+TEST_F(RendezvousTest, EnvReadsTheEnvironment) {
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+  ::setenv("MASTER_PORT", std::to_string(free_port()).c_str(), 1);
+  ::setenv("WORLD_SIZE", "2", 1);
+  ::setenv("CHORUS_JOB_TOKEN", "env-token", 1);
+  exchange_two_ranks("env://", [](const Rendezvous& rv) {
+    if (rv.token != "env-token") throw std::runtime_error("token " + rv.token);
+  });
+  // RANK and WORLD_SIZE from the environment when no arguments are given.
+  ::setenv("MASTER_PORT", std::to_string(free_port()).c_str(), 1);
+  ::setenv("WORLD_SIZE", "1", 1);
+  ::setenv("RANK", "0", 1);
+  Rendezvous rv = rendezvous("env://", -1, -1, quick());
+  EXPECT_EQ(rv.rank, 0);
+  EXPECT_EQ(rv.world_size, 1);
+  rv.store->set("alone", "yes");
+  EXPECT_EQ(rv.store->get("alone"), "yes");
+}
+
+TEST_F(RendezvousTest, ExplicitArgumentsOverrideTheUrl) {
+  const int port = free_port();
+  Rendezvous rv =
+      rendezvous("tcp://127.0.0.1:" + std::to_string(port) + "?rank=3&world_size=4", 0, 1, quick());
+  EXPECT_EQ(rv.rank, 0);
+  EXPECT_EQ(rv.world_size, 1);
+}
+
+TEST_F(RendezvousTest, UnreachableStoreTimesOut) {
+  RendezvousOptions options;
+  options.timeout = 300ms;
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_THROW(rendezvous("tcp://127.0.0.1:" + std::to_string(free_port()) + "?rank=1&world_size=2",
+                          -1, -1, options),
+               TimeoutError);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 2s);
+}
+
+}  // namespace
+}  // namespace chorus

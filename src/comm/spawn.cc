@@ -1,0 +1,257 @@
+#include "chorus/comm/spawn.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "chorus/comm/tcp_store.h"
+#include "socket.h"
+
+namespace chorus {
+namespace {
+
+using net::Clock;
+
+std::string signal_name(int sig) {
+  const char* abbrev = sigabbrev_np(sig);
+  return abbrev ? std::string("SIG") + abbrev : "signal " + std::to_string(sig);
+}
+
+struct Child {
+  int rank = 0;
+  pid_t pid = -1;
+  int pidfd = -1;
+  int msg_fd = -1;  // read end of the child's error pipe
+  std::string message;
+  bool exited = false;
+  int status = 0;
+};
+
+void drain(Child& c) {
+  if (c.msg_fd < 0) return;
+  char buf[4096];
+  for (;;) {
+    ssize_t k = ::read(c.msg_fd, buf, sizeof(buf));
+    if (k > 0) {
+      if (c.message.size() < 64 * 1024) c.message.append(buf, static_cast<size_t>(k));
+      continue;
+    }
+    if (k < 0 && errno == EINTR) continue;
+    if (k == 0) {
+      ::close(c.msg_fd);
+      c.msg_fd = -1;
+    }
+    return;
+  }
+}
+
+[[noreturn]] void run_child(int rank, int nprocs, int port, const std::string& token, int msg_fd,
+                            const std::function<void(int, int)>& fn) {
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() == 1) ::_exit(1);
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+  ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+  ::setenv("RANK", std::to_string(rank).c_str(), 1);
+  ::setenv("LOCAL_RANK", std::to_string(rank).c_str(), 1);
+  ::setenv("WORLD_SIZE", std::to_string(nprocs).c_str(), 1);
+  ::setenv("LOCAL_WORLD_SIZE", std::to_string(nprocs).c_str(), 1);
+  ::setenv("CHORUS_JOB_TOKEN", token.c_str(), 1);
+  ::setenv("CHORUS_STORE_EXTERNAL", "1", 1);
+  int code = 0;
+  std::string message;
+  try {
+    fn(rank, nprocs);
+  } catch (const std::exception& e) {
+    message = e.what();
+    code = 1;
+  } catch (...) {
+    message = "unknown exception (not derived from std::exception)";
+    code = 1;
+  }
+  if (!message.empty()) {
+    size_t off = 0;
+    while (off < message.size()) {
+      ssize_t k = ::write(msg_fd, message.data() + off, message.size() - off);
+      if (k <= 0 && errno != EINTR) break;
+      if (k > 0) off += static_cast<size_t>(k);
+    }
+  }
+  std::fflush(nullptr);
+  ::_exit(code);
+}
+
+}  // namespace
+
+std::string random_token() {
+  unsigned char bytes[16];
+  std::ifstream urandom("/dev/urandom", std::ios::binary);
+  if (!urandom.read(reinterpret_cast<char*>(bytes), sizeof(bytes))) {
+    throw Error("cannot read /dev/urandom to make a job token");
+  }
+  static const char* hex = "0123456789abcdef";
+  std::string out;
+  for (unsigned char b : bytes) {
+    out.push_back(hex[b >> 4]);
+    out.push_back(hex[b & 15]);
+  }
+  return out;
+}
+
+void spawn(int nprocs, const std::function<void(int rank, int world_size)>& fn,
+           const SpawnOptions& options) {
+  if (nprocs < 1) throw UsageError("spawn: nprocs must be >= 1, got " + std::to_string(nprocs));
+  TcpStoreServerOptions so;
+  so.host = "127.0.0.1";
+  so.port = 0;
+  so.token = options.token.empty() ? random_token() : options.token;
+  TcpStoreServer server(so);
+
+  std::fflush(nullptr);  // children must not re-emit the parent's buffered output
+  std::vector<Child> children(static_cast<size_t>(nprocs));
+  auto kill_all = [&](int sig) {
+    for (auto& c : children) {
+      if (c.pid > 0 && !c.exited) ::kill(c.pid, sig);
+    }
+  };
+  for (int r = 0; r < nprocs; ++r) {
+    int fds[2];
+    if (::pipe2(fds, O_CLOEXEC) != 0) {
+      kill_all(SIGKILL);
+      throw Error(std::string("spawn: pipe failed: ") + std::strerror(errno));
+    }
+    pid_t pid = ::fork();
+    if (pid < 0) {
+      ::close(fds[0]);
+      ::close(fds[1]);
+      kill_all(SIGKILL);
+      for (auto& c : children) {
+        if (c.pid > 0) ::waitpid(c.pid, nullptr, 0);
+      }
+      throw Error(std::string("spawn: fork failed: ") + std::strerror(errno));
+    }
+    if (pid == 0) {
+      ::close(fds[0]);
+      run_child(r, nprocs, server.port(), so.token, fds[1], fn);
+    }
+    ::close(fds[1]);
+    ::fcntl(fds[0], F_SETFL, ::fcntl(fds[0], F_GETFL) | O_NONBLOCK);  // drain() must never block
+    Child& c = children[static_cast<size_t>(r)];
+    c.rank = r;
+    c.pid = pid;
+    c.msg_fd = fds[0];
+    c.pidfd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+  }
+
+  const auto start = Clock::now();
+  const bool has_deadline = options.timeout.count() > 0;
+  const auto deadline = has_deadline ? start + options.timeout : net::Deadline::max();
+  int first_failed = -1;
+  bool timed_out = false;
+  Clock::time_point kill_at = Clock::time_point::max();
+  bool killed = false;
+  size_t alive = children.size();
+
+  while (alive > 0) {
+    std::vector<pollfd> pfds;
+    for (auto& c : children) {
+      if (c.msg_fd >= 0) pfds.push_back({c.msg_fd, POLLIN, 0});
+      if (!c.exited && c.pidfd >= 0) pfds.push_back({c.pidfd, POLLIN, 0});
+    }
+    auto wake = std::min(deadline, kill_at);
+    int wait_ms = std::min(net::ms_until(wake), 100);  // 100 ms cap covers kernels without pidfd
+    ::poll(pfds.data(), pfds.size(), wait_ms);
+    for (auto& c : children) {
+      drain(c);
+      if (c.exited) continue;
+      int status = 0;
+      pid_t got = ::waitpid(c.pid, &status, WNOHANG);
+      if (got != c.pid) continue;
+      c.exited = true;
+      c.status = status;
+      --alive;
+      if (c.pidfd >= 0) {
+        ::close(c.pidfd);
+        c.pidfd = -1;
+      }
+      bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+      if (failed && first_failed < 0 && !timed_out) {
+        first_failed = c.rank;
+        kill_all(SIGTERM);
+        kill_at = Clock::now() + options.grace_period;
+      }
+    }
+    auto now = Clock::now();
+    if (alive > 0 && has_deadline && now >= deadline && !timed_out && first_failed < 0) {
+      timed_out = true;
+      kill_all(SIGTERM);
+      kill_at = now + options.grace_period;
+    }
+    if (alive > 0 && !killed && now >= kill_at) {
+      killed = true;
+      kill_all(SIGKILL);
+      kill_at = Clock::time_point::max();
+    }
+  }
+  for (auto& c : children) {
+    // Every child has exited, so its pipe is at end of file once its last bytes are read.
+    while (c.msg_fd >= 0) {
+      pollfd p{c.msg_fd, POLLIN, 0};
+      ::poll(&p, 1, 100);
+      drain(c);
+      if (!(p.revents & (POLLIN | POLLHUP))) break;
+    }
+    if (c.msg_fd >= 0) {
+      ::close(c.msg_fd);
+      c.msg_fd = -1;
+    }
+  }
+
+  if (first_failed < 0 && !timed_out) return;
+
+  std::ostringstream out;
+  SpawnFailure first;
+  if (timed_out) {
+    out << "spawn: job of " << nprocs << " processes did not finish within "
+        << net::format_duration(options.timeout) << "; all were ended";
+    first.rank = -1;
+  } else {
+    const Child& c = children[static_cast<size_t>(first_failed)];
+    first.rank = c.rank;
+    if (WIFSIGNALED(c.status)) {
+      first.signal = WTERMSIG(c.status);
+      first.exit_code = -1;
+    } else {
+      first.exit_code = WEXITSTATUS(c.status);
+    }
+    first.message = c.message;
+    out << "spawn: rank " << c.rank << " (pid " << c.pid << ") failed first: ";
+    if (first.signal != 0) {
+      out << "killed by " << signal_name(first.signal);
+    } else {
+      out << "exit code " << first.exit_code;
+    }
+    if (!c.message.empty()) out << ": " << c.message;
+    out << "; the other " << (nprocs - 1) << " process(es) were ended";
+  }
+  // Other ranks' messages often explain the cascade (e.g. "peer 1 closed its connection").
+  for (const auto& c : children) {
+    if (c.rank == first.rank || c.message.empty()) continue;
+    out << "\n  rank " << c.rank << ": " << c.message;
+  }
+  throw SpawnError(out.str(), first);
+}
+
+}  // namespace chorus

@@ -1,0 +1,80 @@
+#include "chorus/comm/spawn.h"
+
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <thread>
+
+#include "chorus/comm/process_group.h"
+
+namespace chorus {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+TEST(Spawn, RunsEveryRankWithTheEnvironmentForEnvInit) {
+  spawn(3, [](int rank, int world) {
+    if (std::atoi(std::getenv("RANK")) != rank || std::atoi(std::getenv("WORLD_SIZE")) != world) {
+      throw std::runtime_error("wrong RANK/WORLD_SIZE");
+    }
+    auto pg = connect_process_group();  // env:// from what spawn set
+    int64_t v = rank;
+    pg->allreduce(&v, 1, DataType::kInt64)->wait();
+    if (v != 3) throw std::runtime_error("allreduce under spawn gave " + std::to_string(v));
+  });
+}
+
+TEST(Spawn, FailingRankIsReportedAndTheOthersAreEnded) {
+  auto t0 = Clock::now();
+  try {
+    SpawnOptions o;
+    o.grace_period = std::chrono::milliseconds(300);
+    spawn(3, [](int rank, int) {
+      if (rank == 2) throw std::runtime_error("bad batch at step 7");
+      std::this_thread::sleep_for(std::chrono::seconds(60));  // must be ended, not awaited
+    }, o);
+    FAIL() << "spawn should have thrown";
+  } catch (const SpawnError& e) {
+    EXPECT_EQ(e.first_failure().rank, 2);
+    EXPECT_EQ(e.first_failure().exit_code, 1);
+    EXPECT_NE(std::string(e.what()).find("rank 2"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("bad batch at step 7"), std::string::npos) << e.what();
+  }
+  EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 10.0);
+}
+
+TEST(Spawn, KilledRankIsReportedWithItsSignal) {
+  try {
+    spawn(2, [](int rank, int) {
+      if (rank == 0) ::raise(SIGKILL);
+      std::this_thread::sleep_for(std::chrono::seconds(60));
+    });
+    FAIL() << "spawn should have thrown";
+  } catch (const SpawnError& e) {
+    EXPECT_EQ(e.first_failure().rank, 0);
+    EXPECT_EQ(e.first_failure().signal, SIGKILL);
+    EXPECT_NE(std::string(e.what()).find("SIGKILL"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Spawn, JobTimeoutEndsEveryone) {
+  SpawnOptions o;
+  o.timeout = std::chrono::milliseconds(300);
+  o.grace_period = std::chrono::milliseconds(200);
+  try {
+    spawn(2, [](int, int) { std::this_thread::sleep_for(std::chrono::seconds(60)); }, o);
+    FAIL() << "spawn should have thrown";
+  } catch (const SpawnError& e) {
+    EXPECT_NE(std::string(e.what()).find("did not finish"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Spawn, RejectsZeroProcesses) {
+  EXPECT_THROW(spawn(0, [](int, int) {}), UsageError);
+}
+
+}  // namespace
+}  // namespace chorus

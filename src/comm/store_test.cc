@@ -1,0 +1,805 @@
+// Store conformance suite (HashStore, FileStore, TcpStore, PrefixStore), then what only one kind
+// has: several processes on one store, the TcpStore server's handshake and its defences.
+#include "chorus/comm/store.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "chorus/comm/error.h"
+#include "chorus/comm/tcp_store.h"
+#include "handshake.h"
+#include "socket.h"
+
+namespace chorus {
+namespace {
+
+using namespace std::chrono_literals;
+using ::testing::HasSubstr;
+using Clock = std::chrono::steady_clock;
+
+constexpr auto kShortTimeout = 300ms;  // for operations that are meant to time out
+constexpr auto kLongTimeout = 5s;      // for operations that are meant to succeed
+
+std::string temp_path() {
+  const char* dir = std::getenv("TMPDIR");
+  std::string pattern =
+      std::string(dir != nullptr && dir[0] != '\0' ? dir : "/tmp") + "/chorus-store-test-XXXXXX";
+  int fd = ::mkstemp(pattern.data());
+  if (fd < 0) throw std::runtime_error("mkstemp failed for " + pattern);
+  ::close(fd);
+  return pattern;
+}
+
+// A port nothing listens on (the kernel's pick, released again).
+int free_port() {
+  net::Fd fd = net::listen_tcp("127.0.0.1", 0);
+  return net::local_port(fd.get());
+}
+
+bool eventually(const std::function<bool()>& condition, std::chrono::milliseconds timeout = 3s) {
+  const auto deadline = Clock::now() + timeout;
+  while (Clock::now() < deadline) {
+    if (condition()) return true;
+    std::this_thread::sleep_for(5ms);
+  }
+  return condition();
+}
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Waits for a forked child for at most `timeout`, killing it past that. Returns its exit code,
+// 128 + signal if it was killed by one, or -1 if it had to be killed here.
+int wait_child(pid_t pid, std::chrono::milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  for (;;) {
+    int status = 0;
+    pid_t r = ::waitpid(pid, &status, WNOHANG);
+    if (r == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    if (r < 0) return -2;
+    if (Clock::now() > deadline) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+      return -1;
+    }
+    std::this_thread::sleep_for(2ms);
+  }
+}
+
+// Forks `n` children running fn(i); each exits 0 if fn returns and 1 if it throws.
+std::vector<pid_t> fork_children(int n, const std::function<void(int)>& fn) {
+  std::vector<pid_t> pids;
+  for (int i = 0; i < n; ++i) {
+    pid_t pid = ::fork();
+    if (pid == 0) {
+      int code = 0;
+      try {
+        fn(i);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "child %d: %s\n", i, e.what());
+        code = 1;
+      }
+      ::_exit(code);
+    }
+    if (pid > 0) pids.push_back(pid);
+  }
+  return pids;
+}
+
+// ---- Conformance suite
+// --------------------------------------------------------------------------- Each environment
+// holds one store and opens handles onto it: the same object where that is the only way in
+// (HashStore), else a new client or a new open of the same file.
+
+struct HashStoreEnv {
+  std::shared_ptr<HashStore> store = std::make_shared<HashStore>();
+  std::shared_ptr<Store> open() { return store; }
+};
+
+struct FileStoreEnv {
+  std::string path = temp_path();
+  ~FileStoreEnv() { std::remove(path.c_str()); }
+  std::shared_ptr<Store> open() { return std::make_shared<FileStore>(path); }
+};
+
+struct TcpStoreEnv {
+  std::shared_ptr<TcpStore> host;  // the first handle also hosts the server
+  std::shared_ptr<Store> open() {
+    TcpStoreOptions options;
+    options.token = "conformance";
+    options.timeout = kLongTimeout;
+    if (!host) {
+      options.is_server = true;
+      host = std::make_shared<TcpStore>(options);
+      return host;
+    }
+    options.port = host->port();
+    return std::make_shared<TcpStore>(options);
+  }
+};
+
+struct PrefixStoreEnv {
+  std::shared_ptr<HashStore> base = std::make_shared<HashStore>();
+  std::shared_ptr<Store> open() { return std::make_shared<PrefixStore>("group0", base); }
+};
+
+template <typename Env>
+class StoreConformance : public ::testing::Test {
+ protected:
+  std::shared_ptr<Store> open(std::chrono::milliseconds timeout = kLongTimeout) {
+    auto store = env_.open();
+    store->set_timeout(timeout);
+    return store;
+  }
+  Env env_;
+};
+
+using StoreEnvs = ::testing::Types<HashStoreEnv, FileStoreEnv, TcpStoreEnv, PrefixStoreEnv>;
+class StoreEnvNames {
+ public:
+  template <typename T>
+  static std::string GetName(int) {
+    if (std::is_same<T, HashStoreEnv>()) return "HashStore";
+    if (std::is_same<T, FileStoreEnv>()) return "FileStore";
+    if (std::is_same<T, TcpStoreEnv>()) return "TcpStore";
+    return "PrefixStore";
+  }
+};
+TYPED_TEST_SUITE(StoreConformance, StoreEnvs, StoreEnvNames);
+
+TYPED_TEST(StoreConformance, SetThenGetReturnsTheLatestValue) {
+  auto store = this->open();
+  auto other = this->open();
+  store->set("a", "1");
+  EXPECT_EQ(other->get("a"), "1");
+  other->set("a", "2");
+  EXPECT_EQ(store->get("a"), "2");
+  store->set("empty", "");
+  EXPECT_EQ(other->get("empty"), "");
+  const std::string binary("\0\x01\xff zero\0", 9);
+  store->set(std::string("key\0with nul", 12), binary);
+  EXPECT_EQ(other->get(std::string("key\0with nul", 12)), binary);
+}
+
+TYPED_TEST(StoreConformance, GetTimesOutNamingTheKey) {
+  auto store = this->open(kShortTimeout);
+  const auto start = Clock::now();
+  try {
+    store->get("never_set");
+    FAIL() << "get of a missing key returned";
+  } catch (const TimeoutError& e) {
+    const double waited = seconds_since(start);
+    EXPECT_GE(waited, 0.25);
+    EXPECT_LT(waited, 2.0);
+    EXPECT_THAT(e.what(), HasSubstr("never_set"));
+    EXPECT_THAT(e.what(), HasSubstr("timed out after"));
+  }
+}
+
+TYPED_TEST(StoreConformance, GetWaitsForAKeySetLater) {
+  auto store = this->open();
+  auto other = this->open();
+  std::thread setter([&] {
+    std::this_thread::sleep_for(50ms);
+    other->set("late", "here");
+  });
+  EXPECT_EQ(store->get("late"), "here");
+  setter.join();
+}
+
+TYPED_TEST(StoreConformance, AddFromManyThreadsSumsExactly) {
+  constexpr int kThreads = 8;
+  constexpr int kAdds = 100;
+  auto shared = this->open();
+  std::vector<std::vector<int64_t>> seen(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    // Half the threads share one handle, half have their own.
+    auto store = t % 2 == 0 ? shared : this->open();
+    threads.emplace_back([&seen, store, t] {
+      for (int i = 0; i < kAdds; ++i) seen[t].push_back(store->add("counter", 1));
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(shared->add("counter", 0), kThreads * kAdds);
+  // Every add saw a distinct value: none was lost or applied twice.
+  std::vector<int64_t> all;
+  for (const auto& s : seen) all.insert(all.end(), s.begin(), s.end());
+  std::sort(all.begin(), all.end());
+  for (int i = 0; i < kThreads * kAdds; ++i) ASSERT_EQ(all[i], i + 1);
+}
+
+TYPED_TEST(StoreConformance, AddKeepsDecimalText) {
+  auto store = this->open();
+  EXPECT_EQ(store->add("n", 5), 5);
+  EXPECT_EQ(store->add("n", -7), -2);
+  EXPECT_EQ(store->get("n"), "-2");
+  store->set("m", "40");
+  EXPECT_EQ(store->add("m", 2), 42);
+}
+
+TYPED_TEST(StoreConformance, AddOnANonIntegerIsAUsageError) {
+  auto store = this->open();
+  store->set("text", "abc");
+  EXPECT_THROW(store->add("text", 1), UsageError);
+  EXPECT_EQ(store->get("text"), "abc");
+}
+
+TYPED_TEST(StoreConformance, CompareSetFollowsPyTorch) {
+  auto store = this->open();
+  // Missing key, empty expected: stores desired.
+  EXPECT_EQ(store->compare_set("k", "", "first"), "first");
+  EXPECT_EQ(store->get("k"), "first");
+  // Present key, matching expected: swaps.
+  EXPECT_EQ(store->compare_set("k", "first", "second"), "second");
+  // Present key, other expected: returns what is stored, changes nothing.
+  EXPECT_EQ(store->compare_set("k", "wrong", "third"), "second");
+  EXPECT_EQ(store->get("k"), "second");
+  // Missing key, non-empty expected: returns expected, stores nothing.
+  EXPECT_EQ(store->compare_set("absent", "x", "y"), "x");
+  EXPECT_FALSE(store->check({"absent"}));
+}
+
+TYPED_TEST(StoreConformance, WaitReturnsOnceAnotherThreadSetsTheKeys) {
+  auto store = this->open();
+  auto other = this->open();
+  std::thread setter([&] {
+    std::this_thread::sleep_for(30ms);
+    other->set("w1", "x");
+    std::this_thread::sleep_for(30ms);
+    other->add("w2", 1);
+  });
+  const auto start = Clock::now();
+  store->wait({"w1", "w2"}, kLongTimeout);
+  EXPECT_LT(seconds_since(start), 2.0);
+  EXPECT_TRUE(store->check({"w1", "w2"}));
+  setter.join();
+}
+
+TYPED_TEST(StoreConformance, WaitTimesOutNamingTheMissingKeys) {
+  auto store = this->open();
+  store->set("a", "1");
+  const auto start = Clock::now();
+  try {
+    store->wait({"a", "b"}, kShortTimeout);
+    FAIL() << "wait for a missing key returned";
+  } catch (const TimeoutError& e) {
+    EXPECT_GE(seconds_since(start), 0.25);
+    EXPECT_LT(seconds_since(start), 2.0);
+    EXPECT_THAT(e.what(), HasSubstr("b]"));  // a PrefixStore names the base's keys: [p/a, p/b]
+    EXPECT_THAT(e.what(), HasSubstr("(missing: "));
+    EXPECT_THAT(e.what(), HasSubstr("b)"));
+  }
+  store->wait({});  // nothing to wait for
+}
+
+TYPED_TEST(StoreConformance, ManyWaitersWakeOnOneSet) {
+  auto setter = this->open();
+  std::vector<std::thread> threads;
+  std::atomic<int> woke{0};
+  for (int t = 0; t < 4; ++t) {
+    auto store = this->open();
+    threads.emplace_back([store, &woke] {
+      if (store->get("go") == "now") woke++;
+    });
+  }
+  std::this_thread::sleep_for(50ms);
+  setter->set("go", "now");
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(woke.load(), 4);
+}
+
+TYPED_TEST(StoreConformance, CheckDoesNotWait) {
+  auto store = this->open();
+  EXPECT_TRUE(store->check({}));
+  EXPECT_FALSE(store->check({"c"}));
+  store->set("c", "");
+  EXPECT_TRUE(store->check({"c"}));
+  EXPECT_FALSE(store->check({"c", "d"}));
+}
+
+TYPED_TEST(StoreConformance, DeleteKeyRemovesItEverywhere) {
+  auto store = this->open();
+  auto other = this->open();
+  EXPECT_FALSE(store->delete_key("gone"));
+  store->set("gone", "v");
+  EXPECT_TRUE(other->check({"gone"}));
+  EXPECT_TRUE(store->delete_key("gone"));
+  EXPECT_FALSE(other->check({"gone"}));
+  EXPECT_FALSE(other->delete_key("gone"));
+  other->set("gone", "again");
+  EXPECT_EQ(store->get("gone"), "again");
+}
+
+TYPED_TEST(StoreConformance, NumKeysCountsLiveKeys) {
+  auto store = this->open();
+  const int64_t before = store->num_keys();
+  store->set("n1", "1");
+  store->add("n2", 1);
+  store->compare_set("n3", "", "3");
+  store->set("n1", "overwritten");
+  EXPECT_EQ(store->num_keys(), before + 3);
+  store->delete_key("n2");
+  EXPECT_EQ(this->open()->num_keys(), before + 2);
+}
+
+// ---- Several processes on one store ------------------------------------------------------------
+
+TEST(TcpStoreMultiProcess, AddFromForkedChildrenSumsExactly) {
+  TcpStoreServerOptions server_options;
+  server_options.host = "127.0.0.1";
+  server_options.token = "multiproc";
+  TcpStoreServer server(server_options);
+  const int port = server.port();
+  constexpr int kChildren = 4;
+  constexpr int kAdds = 100;
+  auto pids = fork_children(kChildren, [port](int) {
+    TcpStoreOptions options;
+    options.port = port;
+    options.token = "multiproc";
+    options.timeout = 10s;
+    TcpStore store(options);
+    for (int i = 0; i < kAdds; ++i) store.add("counter", 1);
+    store.add("done", 1);
+  });
+  ASSERT_EQ(pids.size(), static_cast<size_t>(kChildren));
+  for (pid_t pid : pids) EXPECT_EQ(wait_child(pid, 20s), 0);
+  TcpStoreOptions options;
+  options.port = port;
+  options.token = "multiproc";
+  TcpStore store(options);
+  EXPECT_EQ(store.get("counter"), std::to_string(kChildren * kAdds));
+  EXPECT_EQ(store.get("done"), std::to_string(kChildren));
+}
+
+TEST(FileStoreMultiProcess, AddFromForkedChildrenSumsExactly) {
+  const std::string path = temp_path();
+  constexpr int kChildren = 4;
+  constexpr int kAdds = 100;
+  {
+    // Opened before fork: odd children use this inherited object, even ones open the file anew.
+    FileStore inherited(path, 10s);
+    inherited.set("counter", "0");
+    auto pids = fork_children(kChildren, [&](int i) {
+      std::unique_ptr<FileStore> own;
+      FileStore* store = &inherited;
+      if (i % 2 == 0) {
+        own = std::make_unique<FileStore>(path, 10s);
+        store = own.get();
+      }
+      for (int k = 0; k < kAdds; ++k) store->add("counter", 1);
+    });
+    ASSERT_EQ(pids.size(), static_cast<size_t>(kChildren));
+    for (pid_t pid : pids) EXPECT_EQ(wait_child(pid, 30s), 0);
+    EXPECT_EQ(inherited.get("counter"), std::to_string(kChildren * kAdds));
+  }
+  std::remove(path.c_str());
+}
+
+// ---- FileStore ----------------------------------------------------------------------------------
+
+TEST(FileStore, DropsAnUnfinishedRecordLeftByACrashedWriter) {
+  const std::string path = temp_path();
+  {
+    FileStore store(path, kShortTimeout);
+    store.set("a", "1");
+    std::ofstream(path, std::ios::app | std::ios::binary) << std::string("\x01\x05\x00\x00\x00", 5);
+    FileStore reader(path, kShortTimeout);
+    EXPECT_EQ(reader.get("a"), "1");
+    EXPECT_EQ(reader.num_keys(), 1);
+    reader.set("b", "2");  // truncates the unfinished record first
+    FileStore fresh(path, kShortTimeout);
+    EXPECT_EQ(fresh.get("a"), "1");
+    EXPECT_EQ(fresh.get("b"), "2");
+    EXPECT_EQ(fresh.num_keys(), 2);
+  }
+  std::remove(path.c_str());
+}
+
+TEST(FileStore, RefusesAFileThatIsNotAStore) {
+  const std::string path = temp_path();
+  std::ofstream(path) << "some other program's data\n";
+  FileStore store(path, kShortTimeout);
+  try {
+    store.check({"a"});
+    FAIL() << "read a foreign file";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("not a chorus FileStore"));
+    EXPECT_THAT(e.what(), HasSubstr(path));
+  }
+  std::remove(path.c_str());
+}
+
+TEST(FileStore, UnwritablePathIsAClearError) {
+  try {
+    FileStore store("/nonexistent-dir-chorus/store", kShortTimeout);
+    FAIL() << "opened a file in a missing directory";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.what(), HasSubstr("/nonexistent-dir-chorus/store"));
+    EXPECT_THAT(e.what(), HasSubstr("directory exists"));
+  }
+}
+
+// ---- PrefixStore --------------------------------------------------------------------------------
+
+TEST(PrefixStore, KeysLiveUnderThePrefixInTheBase) {
+  auto base = std::make_shared<HashStore>();
+  PrefixStore g1("g1", base);
+  PrefixStore g2("g2", base);
+  g1.set("k", "one");
+  g2.set("k", "two");
+  EXPECT_EQ(base->get("g1/k"), "one");
+  EXPECT_EQ(base->get("g2/k"), "two");
+  EXPECT_EQ(g1.get("k"), "one");
+  EXPECT_TRUE(g1.delete_key("k"));
+  EXPECT_FALSE(g1.check({"k"}));
+  EXPECT_TRUE(g2.check({"k"}));
+  EXPECT_EQ(g1.num_keys(), 1);  // the whole base, as PyTorch counts
+  EXPECT_THAT(g1.describe(), HasSubstr("g1"));
+  EXPECT_THAT(g1.describe(), HasSubstr("HashStore"));
+}
+
+TEST(PrefixStore, GetHonoursItsOwnTimeout) {
+  auto base = std::make_shared<HashStore>();
+  base->set_timeout(30s);
+  PrefixStore store("p", base);
+  store.set_timeout(kShortTimeout);
+  const auto start = Clock::now();
+  try {
+    store.get("missing");
+    FAIL() << "get of a missing key returned";
+  } catch (const TimeoutError& e) {
+    EXPECT_LT(seconds_since(start), 2.0);
+    EXPECT_THAT(e.what(), HasSubstr("p/missing"));
+  }
+}
+
+// ---- TcpStore and its server
+// ----------------------------------------------------------------------
+
+TcpStoreOptions client_options(int port, const std::string& token,
+                               std::chrono::milliseconds timeout = kLongTimeout) {
+  TcpStoreOptions options;
+  options.host = "127.0.0.1";
+  options.port = port;
+  options.token = token;
+  options.timeout = timeout;
+  return options;
+}
+
+TcpStoreServerOptions server_options(const std::string& token) {
+  TcpStoreServerOptions options;
+  options.host = "127.0.0.1";
+  options.token = token;
+  options.quiet = true;
+  return options;
+}
+
+// A raw connection to the server, past the handshake when `greet` is set.
+net::Fd raw_connection(int port, const std::string& token, bool greet) {
+  net::Fd fd = net::connect_tcp("127.0.0.1", port, net::deadline_after(3s), "test server");
+  if (greet) {
+    handshake::Hello hello;
+    hello.token = token;
+    handshake::client_handshake(fd.get(), hello, net::deadline_after(3s), "test server");
+  }
+  return fd;
+}
+
+void send_bytes(int fd, const std::string& bytes) {
+  ASSERT_TRUE(net::write_full(fd, bytes.data(), bytes.size(), net::deadline_after(3s)).ok());
+}
+
+// True when the server closes `fd` (after whatever verdict it sends) before the deadline.
+bool closed_by_server(int fd) {
+  const net::Deadline deadline = net::deadline_after(3s);
+  char byte;
+  for (;;) {
+    net::IoResult r = net::read_full(fd, &byte, 1, deadline);
+    if (!r.ok()) return r.code == net::IoResult::kClosed;
+  }
+}
+
+void expect_serves_good_clients(int port, const std::string& token) {
+  TcpStore store(client_options(port, token));
+  store.set("still", "serving");
+  EXPECT_EQ(store.get("still"), "serving");
+}
+
+TEST(TcpStore, DescribesItselfAndItsLocalAddress) {
+  TcpStoreServer server(server_options("t"));
+  TcpStore store(client_options(server.port(), "t"));
+  EXPECT_EQ(store.describe(), "TcpStore(127.0.0.1:" + std::to_string(server.port()) + ")");
+  EXPECT_EQ(store.local_address(), "127.0.0.1");
+  EXPECT_EQ(store.port(), server.port());
+  EXPECT_EQ(store.host(), "127.0.0.1");
+  EXPECT_EQ(store.timeout(), kLongTimeout);
+}
+
+TEST(TcpStore, TimeoutNamesTheStoreTheKeysAndTheTimeWaited) {
+  TcpStoreServer server(server_options("t"));
+  TcpStore store(client_options(server.port(), "t"));
+  store.set("a", "1");
+  try {
+    store.wait({"a", "b"}, kShortTimeout);
+    FAIL() << "wait for a missing key returned";
+  } catch (const TimeoutError& e) {
+    const std::string expected =
+        "TcpStore(127.0.0.1:" + std::to_string(server.port()) + "): timed out after ";
+    EXPECT_THAT(e.what(), HasSubstr(expected));
+    EXPECT_THAT(e.what(), HasSubstr(" ms waiting for keys [a, b] (missing: b); "));
+  }
+  // The timed-out wait was answered by the server, so the connection is still in step.
+  EXPECT_EQ(store.get("a"), "1");
+}
+
+TEST(TcpStore, LargeValuesRoundTrip) {
+  TcpStoreServer server(server_options("t"));
+  TcpStore writer(client_options(server.port(), "t"));
+  TcpStore reader(client_options(server.port(), "t"));
+  std::string value(16 << 20, '\0');
+  for (size_t i = 0; i < value.size(); ++i) value[i] = static_cast<char>(i * 131 + 7);
+  std::thread t([&] { EXPECT_EQ(reader.get("big"), value); });
+  writer.set("big", value);
+  t.join();
+}
+
+TEST(TcpStore, OversizedKeyIsRejectedBeforeSending) {
+  TcpStoreServer server(server_options("t"));
+  TcpStore store(client_options(server.port(), "t"));
+  EXPECT_THROW(store.set(std::string(64 * 1024 + 1, 'k'), "v"), UsageError);
+  store.set(std::string(64 * 1024, 'k'), "v");
+  EXPECT_EQ(store.get(std::string(64 * 1024, 'k')), "v");
+}
+
+TEST(TcpStore, ConnectRetriesUntilTheServerStarts) {
+  const int port = free_port();
+  std::unique_ptr<TcpStoreServer> server;
+  std::thread starter([&] {
+    std::this_thread::sleep_for(200ms);
+    auto options = server_options("late");
+    options.port = port;
+    server = std::make_unique<TcpStoreServer>(options);
+  });
+  TcpStore store(client_options(port, "late"));
+  starter.join();
+  store.set("k", "v");
+  EXPECT_EQ(store.get("k"), "v");
+}
+
+TEST(TcpStore, ConnectTimesOutNamingTheAddress) {
+  const int port = free_port();
+  const auto start = Clock::now();
+  try {
+    TcpStore store(client_options(port, "t", kShortTimeout));
+    FAIL() << "connected to nothing";
+  } catch (const TimeoutError& e) {
+    EXPECT_LT(seconds_since(start), 2.0);
+    EXPECT_THAT(e.what(), HasSubstr("127.0.0.1:" + std::to_string(port)));
+  }
+}
+
+TEST(TcpStore, IsServerHostsItsOwnServerOnAKernelPickedPort) {
+  TcpStoreOptions options = client_options(0, "own");
+  options.is_server = true;
+  TcpStore host(options);
+  ASSERT_GT(host.port(), 0);
+  TcpStore peer(client_options(host.port(), "own"));
+  host.set("x", "y");
+  EXPECT_EQ(peer.get("x"), "y");
+}
+
+TEST(TcpStoreServer, RefusesAWrongTokenAndKeepsServing) {
+  auto options = server_options("right-token");
+  TcpStoreServer server(options);
+  try {
+    TcpStore store(client_options(server.port(), "wrong-token"));
+    FAIL() << "a client with the wrong token was accepted";
+  } catch (const HandshakeError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("job token mismatch"));
+    EXPECT_THAT(e.what(), HasSubstr("CHORUS_JOB_TOKEN"));
+    EXPECT_THAT(e.what(), HasSubstr("127.0.0.1:" + std::to_string(server.port())));
+  }
+  EXPECT_EQ(server.refused_connections(), 1);
+  EXPECT_EQ(server.malformed_messages(), 0);
+  expect_serves_good_clients(server.port(), "right-token");
+}
+
+TEST(TcpStoreServer, RefusesAnotherProtocolVersionOrKind) {
+  TcpStoreServer server(server_options("t"));
+  {
+    net::Fd fd = raw_connection(server.port(), "t", false);
+    handshake::Hello hello;
+    hello.token = "t";
+    hello.version = handshake::kProtocolVersion + 1;
+    try {
+      handshake::client_handshake(fd.get(), hello, net::deadline_after(3s), "test server");
+      FAIL() << "a newer protocol version was accepted";
+    } catch (const HandshakeError& e) {
+      EXPECT_THAT(e.what(), HasSubstr("protocol version"));
+    }
+  }
+  {
+    net::Fd fd = raw_connection(server.port(), "t", false);
+    handshake::Hello hello;
+    hello.token = "t";
+    hello.kind = handshake::PeerKind::kTransport;
+    try {
+      handshake::client_handshake(fd.get(), hello, net::deadline_after(3s), "test server");
+      FAIL() << "a transport connection was accepted";
+    } catch (const HandshakeError& e) {
+      EXPECT_THAT(e.what(), HasSubstr("TcpStore"));
+    }
+  }
+  EXPECT_EQ(server.refused_connections(), 2);
+  expect_serves_good_clients(server.port(), "t");
+}
+
+TEST(TcpStoreServer, SurvivesMalformedMessages) {
+  TcpStoreServer server(server_options("t"));
+  const int port = server.port();
+  int64_t expected = 0;
+  auto expect_dropped = [&](const std::string& what) {
+    ++expected;
+    EXPECT_TRUE(eventually([&] { return server.malformed_messages() == expected; })) << what;
+  };
+  {  // Not a hello at all.
+    net::Fd fd = raw_connection(port, "t", false);
+    send_bytes(fd.get(), "GET / HTTP/1.1\r\nHost: x\r\n\r\n");
+    EXPECT_TRUE(closed_by_server(fd.get()));
+    expect_dropped("garbage instead of a hello");
+  }
+  {  // A hello cut short.
+    net::Fd fd = raw_connection(port, "t", false);
+    send_bytes(fd.get(), handshake::encode_hello(handshake::Hello{}).substr(0, 7));
+    fd.reset();
+    expect_dropped("truncated hello");
+  }
+  {  // A request cut short: set with a 5-byte key of which 2 bytes arrive.
+    net::Fd fd = raw_connection(port, "t", true);
+    send_bytes(fd.get(), std::string("\x01\x05\x00\x00\x00"
+                                     "ab",
+                                     7));
+    fd.reset();
+    expect_dropped("truncated request");
+  }
+  {  // A key length of 4 GiB: refused before anything is allocated.
+    net::Fd fd = raw_connection(port, "t", true);
+    send_bytes(fd.get(), std::string("\x01\xff\xff\xff\xff", 5));
+    EXPECT_TRUE(closed_by_server(fd.get()));
+    expect_dropped("huge key length");
+  }
+  {  // A value length just over the 1 GiB limit.
+    net::Fd fd = raw_connection(port, "t", true);
+    send_bytes(fd.get(), std::string("\x01\x01\x00\x00\x00k\x01\x00\x00\x40", 10));
+    EXPECT_TRUE(closed_by_server(fd.get()));
+    expect_dropped("huge value length");
+  }
+  {  // A wait for 2^31 keys.
+    net::Fd fd = raw_connection(port, "t", true);
+    send_bytes(fd.get(), std::string("\x05\x10\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x80", 13));
+    EXPECT_TRUE(closed_by_server(fd.get()));
+    expect_dropped("huge key count");
+  }
+  {  // An unknown command.
+    net::Fd fd = raw_connection(port, "t", true);
+    send_bytes(fd.get(), "\x63");
+    EXPECT_TRUE(closed_by_server(fd.get()));
+    expect_dropped("unknown command");
+  }
+  EXPECT_EQ(server.refused_connections(), 0);
+  expect_serves_good_clients(port, "t");
+}
+
+TEST(TcpStoreServer, ForgetsAWaiterThatHangsUp) {
+  TcpStoreServer server(server_options("t"));
+  {
+    net::Fd fd = raw_connection(server.port(), "t", true);
+    // get("k") with a 10 s timeout, then hang up while it is parked.
+    send_bytes(fd.get(), std::string("\x02\x10\x27\x00\x00\x00\x00\x00\x00\x01\x00\x00\x00k", 14));
+  }
+  std::this_thread::sleep_for(50ms);
+  TcpStore store(client_options(server.port(), "t"));
+  store.set("k", "v");
+  EXPECT_EQ(store.get("k"), "v");
+  EXPECT_EQ(server.malformed_messages(), 0);
+}
+
+TEST(TcpStoreServer, IdleServerDoesNotSpin) {
+  TcpStoreServer server(server_options("t"));
+  TcpStore idle(client_options(server.port(), "t"));
+  TcpStore waiter(client_options(server.port(), "t"));
+  idle.set("x", "1");
+  std::thread parked([&] { EXPECT_THROW(waiter.wait({"never"}, 1500ms), TimeoutError); });
+  std::this_thread::sleep_for(100ms);
+  auto cpu = [] {
+    timespec ts{};
+    ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+  };
+  const double before = cpu();
+  std::this_thread::sleep_for(500ms);
+  const double used = cpu() - before;
+  EXPECT_LT(used, 0.05) << "the process used " << used << " s of CPU in 0.5 s while idle";
+  parked.join();
+}
+
+TEST(TcpStore, ServerStoppingFailsPendingAndLaterCallsFast) {
+  auto server = std::make_unique<TcpStoreServer>(server_options("t"));
+  const int port = server->port();
+  TcpStore blocked(client_options(port, "t", 20s));
+  TcpStore idle(client_options(port, "t", 20s));
+  idle.set("k", "v");
+  std::thread stopper([&] {
+    std::this_thread::sleep_for(100ms);
+    server.reset();
+  });
+  const auto start = Clock::now();
+  try {
+    blocked.get("never");
+    FAIL() << "get returned with the server gone";
+  } catch (const PeerError& e) {
+    EXPECT_LT(seconds_since(start), 2.0);
+    EXPECT_THAT(e.what(), HasSubstr("127.0.0.1:" + std::to_string(port)));
+  }
+  stopper.join();
+  const auto later = Clock::now();
+  EXPECT_THROW(idle.get("k"), PeerError);
+  EXPECT_THROW(idle.set("k", "v"), PeerError);  // broken: fails fast with the original cause
+  EXPECT_THROW(blocked.num_keys(), PeerError);
+  EXPECT_LT(seconds_since(later), 1.0);
+}
+
+TEST(TcpStore, ServerProcessKilledFailsCallsFast) {
+  int pipe_fds[2];
+  ASSERT_EQ(::pipe(pipe_fds), 0);
+  pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::close(pipe_fds[0]);
+    try {
+      TcpStoreServer server(server_options("t"));
+      int port = server.port();
+      if (::write(pipe_fds[1], &port, sizeof(port)) != sizeof(port)) ::_exit(1);
+      for (;;) ::pause();
+    } catch (...) {
+      ::_exit(1);
+    }
+  }
+  ::close(pipe_fds[1]);
+  int port = 0;
+  ASSERT_EQ(::read(pipe_fds[0], &port, sizeof(port)), static_cast<ssize_t>(sizeof(port)));
+  ::close(pipe_fds[0]);
+  TcpStore store(client_options(port, "t", 20s));
+  store.set("k", "v");
+  ::kill(pid, SIGKILL);
+  wait_child(pid, 5s);
+  const auto start = Clock::now();
+  try {
+    store.get("k2");
+    FAIL() << "get returned with the server killed";
+  } catch (const PeerError& e) {
+    EXPECT_LT(seconds_since(start), 2.0);
+    EXPECT_THAT(e.what(), HasSubstr("127.0.0.1:" + std::to_string(port)));
+  }
+}
+
+}  // namespace
+}  // namespace chorus

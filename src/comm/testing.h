@@ -1,0 +1,37 @@
+// Internal test helpers: run a function on W ranks as forked processes with a shared store.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "chorus/comm/spawn.h"
+#include "chorus/comm/store.h"
+
+namespace chorus::testing {
+
+// Runs fn(rank, world, store) in `world` forked processes (via chorus::spawn) and returns "" when
+// all succeeded, else the SpawnError text. Each child connects its own TcpStore client.
+std::string run_ranks(int world,
+                      const std::function<void(int rank, int world, std::shared_ptr<Store> store)>& fn,
+                      std::chrono::milliseconds job_timeout = std::chrono::seconds(60));
+
+// Like run_ranks, but a failing rank does not end the others: every child runs to its end and
+// reports a line of text (fn's return value, or "exception: <what>"). Children that are still
+// running at the deadline are killed. Used by failure tests, where one rank dies on purpose.
+struct ChildReport {
+  int rank = -1;
+  bool exited = false;
+  int exit_code = -1;
+  int signal = 0;
+  std::string text;
+};
+std::vector<ChildReport> run_ranks_independent(int world, const std::function<std::string(int rank, int world)>& fn,
+                                               std::chrono::milliseconds deadline = std::chrono::seconds(30));
+
+// A per-test unique name ("chorus-test-<pid>-<counter>").
+std::string unique_name(const std::string& stem);
+
+}  // namespace chorus::testing

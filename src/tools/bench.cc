@@ -1,0 +1,298 @@
+#include "bench.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <vector>
+
+#include "chorus/comm/error.h"
+#include "chorus/comm/process_group.h"
+#include "chorus/comm/spawn.h"
+
+namespace chorus::tools {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+const char* kOps[] = {"allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "alltoall"};
+
+std::vector<size_t> parse_sizes(const std::string& text) {
+  std::vector<size_t> out;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    if (!item.empty()) out.push_back(parse_size(item));
+  }
+  if (out.empty()) throw UsageError("--sizes is empty");
+  return out;
+}
+
+// Bus bandwidth factor, as nccl-tests defines it: what each rank must move relative to the size.
+double bus_factor(const std::string& op, int n) {
+  if (op == "allreduce") return 2.0 * (n - 1) / n;
+  if (op == "allgather" || op == "reduce_scatter" || op == "alltoall") return static_cast<double>(n - 1) / n;
+  return 1.0;
+}
+
+struct Stats {
+  double p50 = 0, p99 = 0, min = 0, mean = 0;
+};
+
+Stats stats(std::vector<double> t) {
+  Stats s;
+  if (t.empty()) return s;
+  std::sort(t.begin(), t.end());
+  auto pct = [&](double p) {
+    size_t i = static_cast<size_t>(std::ceil(p * static_cast<double>(t.size()))) - 1;
+    return t[std::min(i, t.size() - 1)];
+  };
+  s.p50 = pct(0.5);
+  s.p99 = pct(0.99);
+  s.min = t.front();
+  double sum = 0;
+  for (double x : t) sum += x;
+  s.mean = sum / static_cast<double>(t.size());
+  return s;
+}
+
+// One benchmark case on this rank: buffers, fill, run, verify.
+class Case {
+ public:
+  Case(ProcessGroup& pg, const std::string& op, size_t bytes)
+      : pg_(pg), op_(op), n_(static_cast<size_t>(pg.size())), r_(static_cast<size_t>(pg.rank())) {
+    // Sizes follow nccl-tests: the whole buffer for allreduce/broadcast/reduce; the gathered or
+    // scattered total for allgather/reduce_scatter/alltoall.
+    count_ = bytes / sizeof(float);
+    if (op == "allgather" || op == "reduce_scatter" || op == "alltoall") count_ = count_ / n_;
+    size_t in = count_, out = count_;
+    if (op == "allgather") out = count_ * n_;
+    if (op == "reduce_scatter") in = count_ * n_;
+    if (op == "alltoall") in = out = count_ * n_;
+    in_.assign(in, 0.0f);
+    out_.assign(out, 0.0f);
+    fill();
+  }
+
+  size_t bytes_moved() const {
+    if (op_ == "allgather" || op_ == "reduce_scatter" || op_ == "alltoall") return count_ * n_ * sizeof(float);
+    return count_ * sizeof(float);
+  }
+
+  void fill() {
+    // Small integers: every reduction is exact, so checking is exact.
+    for (size_t i = 0; i < in_.size(); ++i) in_[i] = static_cast<float>((r_ + i) % 8);
+  }
+
+  void run() {
+    const int root = 0;
+    if (op_ == "allreduce") pg_.allreduce(in_.data(), count_, DataType::kFloat32)->wait();
+    else if (op_ == "broadcast") pg_.broadcast(in_.data(), count_, DataType::kFloat32, root)->wait();
+    else if (op_ == "reduce") pg_.reduce(in_.data(), count_, DataType::kFloat32, ReduceOp::kSum, root)->wait();
+    else if (op_ == "allgather") pg_.allgather(in_.data(), out_.data(), count_, DataType::kFloat32)->wait();
+    else if (op_ == "reduce_scatter") pg_.reduce_scatter(in_.data(), out_.data(), count_, DataType::kFloat32)->wait();
+    else if (op_ == "alltoall") pg_.alltoall(in_.data(), out_.data(), count_, DataType::kFloat32)->wait();
+  }
+
+  // Checks the result of one run() on freshly filled buffers, then refills them.
+  bool verify() {
+    bool ok = true;
+    auto sum_at = [&](size_t i) {
+      float s = 0;
+      for (size_t r = 0; r < n_; ++r) s += static_cast<float>((r + i) % 8);
+      return s;
+    };
+    if (op_ == "allreduce") {
+      for (size_t i = 0; i < count_ && ok; ++i) ok = in_[i] == sum_at(i);
+    } else if (op_ == "broadcast") {
+      for (size_t i = 0; i < count_ && ok; ++i) ok = in_[i] == static_cast<float>(i % 8);
+    } else if (op_ == "reduce") {
+      for (size_t i = 0; i < count_ && ok; ++i) ok = in_[i] == (r_ == 0 ? sum_at(i) : static_cast<float>((r_ + i) % 8));
+    } else if (op_ == "allgather") {
+      for (size_t i = 0; i < out_.size() && ok; ++i) ok = out_[i] == static_cast<float>((i / count_ + i % count_) % 8);
+    } else if (op_ == "reduce_scatter") {
+      for (size_t i = 0; i < count_ && ok; ++i) ok = out_[i] == sum_at(r_ * count_ + i);
+    } else if (op_ == "alltoall") {
+      // Block j of out came from rank j's block r_: element (r_ * count + i) of rank j's input.
+      for (size_t i = 0; i < out_.size() && ok; ++i) {
+        size_t j = i / count_;
+        ok = out_[i] == static_cast<float>((j + r_ * count_ + i % count_) % 8);
+      }
+    }
+    return ok;
+  }
+
+ private:
+  ProcessGroup& pg_;
+  std::string op_;
+  size_t n_, r_;
+  size_t count_;
+  std::vector<float> in_, out_;
+};
+
+std::string human(size_t bytes) {
+  char buf[32];
+  if (bytes >= (1u << 20) && bytes % (1u << 20) == 0) std::snprintf(buf, sizeof(buf), "%zuM", bytes >> 20);
+  else if (bytes >= 1024 && bytes % 1024 == 0) std::snprintf(buf, sizeof(buf), "%zuK", bytes >> 10);
+  else std::snprintf(buf, sizeof(buf), "%zu", bytes);
+  return buf;
+}
+
+void rank_main(const BenchArgs& a, int rank, int world) {
+  ProcessGroupOptions o;
+  o.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
+  o.transport = a.transport;
+  o.segment_bytes = a.segment_bytes;
+  o.small_allreduce_bytes = a.small_bytes;
+  o.socket_buffer_bytes = a.socket_buffer;
+  o.spin_us = a.spin_us;
+  auto pg = connect_process_group("env://", rank, world, o);
+  nlohmann::json records = nlohmann::json::array();
+  bool all_correct = true;
+  if (rank == 0 && !a.quiet) {
+    std::printf("# chorus bench %s: world_size %d, transport %s, dtype float32, in place\n", a.op.c_str(), world,
+                a.transport.c_str());
+    std::printf("# %10s %12s %8s %11s %11s %11s %11s %8s\n", "size", "count", "iters", "p50(us)", "p99(us)",
+                "algbw(GB/s)", "busbw(GB/s)", "correct");
+    std::fflush(stdout);
+  }
+  for (size_t bytes : parse_sizes(a.sizes)) {
+    Case c(*pg, a.op, bytes);
+    bool correct = true;
+    for (int i = 0; i < a.warmup; ++i) c.run();
+    // Iteration count: fixed, or calibrated on rank 0 and broadcast so every rank agrees.
+    int64_t iters = a.iters;
+    if (iters <= 0) {
+      auto t0 = Clock::now();
+      c.run();
+      c.run();
+      double per = std::chrono::duration<double>(Clock::now() - t0).count() / 2;
+      iters = static_cast<int64_t>(std::clamp(a.seconds / std::max(per, 1e-9), 20.0, 100000.0));
+      pg->broadcast(&iters, 1, DataType::kInt64, 0)->wait();
+    }
+    std::vector<double> times;
+    times.reserve(static_cast<size_t>(iters));
+    for (int64_t i = 0; i < iters; ++i) {
+      if (a.check) c.fill();  // outside the timed region
+      auto t0 = Clock::now();
+      c.run();
+      times.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+      if (a.check) correct = c.verify() && correct;
+    }
+    if (!a.check) {  // at least one result is always checked
+      c.fill();
+      c.run();
+      correct = c.verify();
+    }
+    Stats s = stats(times);
+    // The figure of a round is the slowest rank's: max over ranks of each statistic.
+    std::ostringstream mine;
+    mine << s.p50 << " " << s.p99 << " " << s.min << " " << s.mean << " " << (correct ? 1 : 0);
+    auto w = pg->all_gather_object(mine.str());
+    w->wait();
+    Stats worst;
+    bool ok = true;
+    for (const auto& text : w->objects()) {
+      std::istringstream in(text);
+      Stats t;
+      int c_ok = 0;
+      in >> t.p50 >> t.p99 >> t.min >> t.mean >> c_ok;
+      worst.p50 = std::max(worst.p50, t.p50);
+      worst.p99 = std::max(worst.p99, t.p99);
+      worst.min = std::max(worst.min, t.min);
+      worst.mean = std::max(worst.mean, t.mean);
+      ok = ok && c_ok == 1;
+    }
+    all_correct = all_correct && ok;
+    const double moved = static_cast<double>(c.bytes_moved());
+    const double algbw = worst.p50 > 0 ? moved / (worst.p50 * 1e-6) / 1e9 : 0;
+    const double busbw = algbw * bus_factor(a.op, world);
+    if (rank == 0) {
+      if (!a.quiet) {
+        std::printf("  %10s %12zu %8lld %11.1f %11.1f %11.3f %11.3f %8s\n", human(bytes).c_str(),
+                    static_cast<size_t>(moved / sizeof(float)), static_cast<long long>(iters), worst.p50, worst.p99,
+                    algbw, busbw, ok ? "yes" : "NO");
+        std::fflush(stdout);
+      }
+      records.push_back({{"op", a.op},
+                         {"transport", a.transport},
+                         {"world_size", world},
+                         {"bytes", static_cast<size_t>(moved)},
+                         {"dtype", "float32"},
+                         {"iters", iters},
+                         {"p50_us", worst.p50},
+                         {"p99_us", worst.p99},
+                         {"min_us", worst.min},
+                         {"mean_us", worst.mean},
+                         {"algbw_gbps", algbw},
+                         {"busbw_gbps", busbw},
+                         {"correct", ok}});
+    }
+  }
+  if (rank == 0 && !a.json.empty()) {
+    std::ofstream out(a.json);
+    out << records.dump(2) << "\n";
+    if (!out) throw Error("cannot write --json file " + a.json);
+  }
+  if (a.check && !all_correct) {
+    throw Error("bench --check: a " + a.op + " result was wrong (see the 'correct' column)");
+  }
+}
+
+}  // namespace
+
+size_t parse_size(const std::string& text) {
+  if (text.empty()) throw UsageError("empty size");
+  size_t pos = 0;
+  unsigned long long v = 0;
+  try {
+    v = std::stoull(text, &pos);
+  } catch (...) {
+    throw UsageError("bad size '" + text + "'; use bytes or K/M/G suffixes, e.g. 4K,1M");
+  }
+  std::string suffix = text.substr(pos);
+  if (suffix == "" || suffix == "B") return v;
+  if (suffix == "K" || suffix == "k" || suffix == "KiB") return v << 10;
+  if (suffix == "M" || suffix == "MiB") return v << 20;
+  if (suffix == "G" || suffix == "GiB") return v << 30;
+  throw UsageError("bad size suffix in '" + text + "'; use K, M or G (powers of two)");
+}
+
+void add_bench_options(CLI::App& app, BenchArgs& a) {
+  app.add_option("op", a.op, "collective to measure")
+      ->check(CLI::IsMember({"allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "alltoall"}));
+  app.add_option("-n,--world-size", a.world_size, "number of local ranks to start")->check(CLI::Range(1, 256));
+  app.add_option("--transport", a.transport, "transport")->check(CLI::IsMember({"tcp"}));
+  app.add_option("--sizes", a.sizes, "comma-separated sizes in bytes (K, M, G suffixes)");
+  app.add_option("--iters", a.iters, "timed iterations per size (0 = about --seconds per size)");
+  app.add_option("--warmup", a.warmup, "untimed iterations per size")->check(CLI::Range(1, 1000000));
+  app.add_option("--seconds", a.seconds, "target time per size when --iters is 0");
+  app.add_flag("--check", a.check, "verify every result; exit non-zero on a wrong one");
+  app.add_option("--json", a.json, "write the results as a JSON list to this file");
+  app.add_option("--timeout", a.timeout_s, "per-operation timeout in seconds");
+  app.add_option("--segment-bytes", a.segment_bytes, "ring pipeline segment size");
+  app.add_option("--small-bytes", a.small_bytes, "allreduce uses recursive doubling up to this size");
+  app.add_option("--socket-buffer", a.socket_buffer, "SO_SNDBUF/SO_RCVBUF bytes (0 = autotuning)");
+  app.add_option("--spin-us", a.spin_us, "busy-poll this long before sleeping");
+  app.add_flag("--quiet", a.quiet, "print nothing (use with --json)");
+  (void)kOps;
+}
+
+int run_bench(const BenchArgs& a) {
+  parse_sizes(a.sizes);  // report bad sizes before starting any process
+  SpawnOptions so;
+  so.grace_period = std::chrono::milliseconds(2000);
+  try {
+    spawn(a.world_size, [&](int rank, int world) { rank_main(a, rank, world); }, so);
+  } catch (const SpawnError& e) {
+    std::fprintf(stderr, "chorus bench: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace chorus::tools

@@ -1,0 +1,35 @@
+// `chorus bench`: collective benchmark on W local ranks (forked by the command itself).
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <string>
+
+namespace chorus::tools {
+
+struct BenchArgs {
+  std::string op = "allreduce";
+  int world_size = 2;
+  std::string transport = "tcp";
+  std::string sizes = "4K,64K,1M,16M,64M";
+  std::string dtype = "f32";
+  int iters = 0;           // 0 = calibrate to about `seconds` per size
+  int warmup = 5;
+  double seconds = 1.0;
+  bool check = false;
+  std::string json;
+  double timeout_s = 60;
+  size_t segment_bytes = 1 << 20;
+  size_t small_bytes = 256 << 10;
+  int socket_buffer = 0;
+  int spin_us = 0;
+  bool quiet = false;
+};
+
+void add_bench_options(CLI::App& app, BenchArgs& args);
+int run_bench(const BenchArgs& args);
+
+// "4K" -> 4096, "1M" -> 1048576, "512" -> 512; throws UsageError otherwise.
+size_t parse_size(const std::string& text);
+
+}  // namespace chorus::tools
