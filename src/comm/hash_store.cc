@@ -6,16 +6,9 @@
 #include "chorus/comm/error.h"
 #include "chorus/comm/store.h"
 #include "socket.h"
+#include "store_internal.h"
 
 namespace chorus {
-namespace detail {  // store.cc
-std::string wait_timeout_message(const std::string& store, const std::vector<std::string>& keys,
-                                 const std::vector<std::string>& missing,
-                                 net::Clock::duration waited, const std::string& hint);
-bool add_to_value(const std::string& key, const std::string* current, int64_t delta,
-                  int64_t* result, std::string* error);
-}  // namespace detail
-
 struct HashStore::State {
   std::mutex mu;
   std::condition_variable changed;  // notified on every write

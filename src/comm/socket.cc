@@ -203,8 +203,10 @@ Fd connect_tcp(const std::string& host, int port, Deadline deadline, const std::
         return fd;
       }
     }
-    if (Clock::now() + backoff >= deadline) break;
-    std::this_thread::sleep_for(backoff);
+    auto now = Clock::now();
+    if (now >= deadline) break;
+    // Sleep no further than the deadline, so the last attempt happens right at it.
+    std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - now));
     backoff = std::min(backoff * 2, std::chrono::milliseconds(250));
   }
   throw TimeoutError("could not connect to " + what + " at " + endpoint + " within " +

@@ -1,6 +1,5 @@
 // Pieces shared by the Store implementations: how keys appear in error messages, the wording of a
-// wait that timed out, and the integer values that add() keeps. They are declared where they are
-// used (hash_store.cc, file_store.cc, tcp_store.cc) in namespace chorus::detail.
+// wait that timed out, and the integer values that add() keeps. Declared in store_internal.h.
 #include <cctype>
 #include <charconv>
 #include <cstdint>
@@ -8,6 +7,7 @@
 #include <vector>
 
 #include "socket.h"
+#include "store_internal.h"
 
 namespace chorus::detail {
 

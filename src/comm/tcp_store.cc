@@ -22,18 +22,9 @@
 #include "chorus/comm/error.h"
 #include "handshake.h"
 #include "socket.h"
+#include "store_internal.h"
 
 namespace chorus {
-namespace detail {  // store.cc
-std::string format_key(const std::string& key);
-std::string join_keys(const std::vector<std::string>& keys);
-std::string wait_timeout_message(const std::string& store, const std::vector<std::string>& keys,
-                                 const std::vector<std::string>& missing,
-                                 net::Clock::duration waited, const std::string& hint);
-bool add_to_value(const std::string& key, const std::string* current, int64_t delta,
-                  int64_t* result, std::string* error);
-}  // namespace detail
-
 namespace {
 
 using handshake::Parse;
