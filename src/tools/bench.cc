@@ -277,7 +277,7 @@ void add_bench_options(CLI::App& app, BenchArgs& a) {
   app.add_option("--segment-bytes", a.segment_bytes, "ring pipeline segment size");
   app.add_option("--small-bytes", a.small_bytes, "allreduce uses recursive doubling up to this size");
   app.add_option("--socket-buffer", a.socket_buffer, "SO_SNDBUF/SO_RCVBUF bytes (0 = autotuning)");
-  app.add_option("--spin-us", a.spin_us, "busy-poll this long before sleeping");
+  app.add_option("--spin-us", a.spin_us, "busy-poll this long before sleeping (-1 = library default)");
   app.add_flag("--quiet", a.quiet, "print nothing (use with --json)");
   (void)kOps;
 }

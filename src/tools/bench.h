@@ -22,7 +22,7 @@ struct BenchArgs {
   size_t segment_bytes = 1 << 20;
   size_t small_bytes = 256 << 10;
   int socket_buffer = 0;
-  int spin_us = 0;
+  int spin_us = -1;   // -1 = the library's default
   bool quiet = false;
 };
 
