@@ -27,6 +27,7 @@ using net::Deadline;
 
 constexpr size_t kInboxBytes = 64 * 1024;     // read-ahead buffer per connection
 constexpr size_t kDirectReadBytes = 32 * 1024; // payload tails this large are read in place
+constexpr uint64_t kSpinMaxBytes = 256 * 1024;  // operations up to this size busy-poll
 
 struct SendItem {
   Ticket ticket;
@@ -90,6 +91,10 @@ class TcpTransport final : public Transport {
   }
 
   void begin(const wire::Call& call, Deadline deadline) override {
+    // Busy-polling pays off only while messages are small; a large transfer keeps both cores busy
+    // copying, and spinning would take cycles from the work that moves the bytes.
+    const uint64_t bytes = call.count * element_size(call.dtype);
+    spin_now_us_ = bytes <= kSpinMaxBytes ? spin_us_ : 0;
     call_ = call;
     start_ = Clock::now();
     deadline_ = deadline;
@@ -468,8 +473,8 @@ class TcpTransport final : public Transport {
       if (!c.recvs.empty()) progressed |= pump_recvs(c);
     }
     if (progressed || pending_.empty()) return;
-    if (spin_us_ > 0) {
-      auto until = Clock::now() + std::chrono::microseconds(spin_us_);
+    if (spin_now_us_ > 0) {
+      auto until = Clock::now() + std::chrono::microseconds(spin_now_us_);
       while (Clock::now() < until) {
         for (auto& c : conns_) {
           if (!c.fd.valid()) continue;
@@ -511,6 +516,7 @@ class TcpTransport final : public Transport {
   int rank_;
   int size_;
   int spin_us_;
+  int spin_now_us_ = 0;
   std::vector<Conn> conns_;
   std::unordered_set<Ticket> pending_;
   Ticket next_ticket_ = 1;
