@@ -1,0 +1,130 @@
+// DistributedDataParallel for any torch::nn::Module.
+//
+//   chorus::dist::init_process_group();
+//   auto model = std::make_shared<Net>();
+//   chorus::ddp::DistributedDataParallel ddp(model);        // checks and broadcasts parameters
+//   auto loss = loss_fn(ddp.forward(x), y);                 // instead of model->forward(x)
+//   loss.backward();                                        // grads are averaged over ranks here
+//   optimizer.step();
+//
+// Contract:
+// - Construction is collective: every rank wraps a model with the same parameters (count, names,
+//   shapes, dtypes; otherwise every rank raises UsageError listing the differing names). Rank 0's
+//   parameters and buffers are then broadcast to all.
+// - Gradients are grouped into buckets (reverse registration order; a small first bucket, then
+//   bucket_cap_mb). Each parameter's gradient hook marks it ready; a bucket's allreduce starts as
+//   soon as its last gradient is ready, while the rest of backward still runs. When backward()
+//   returns, every parameter's .grad holds the average over ranks.
+// - Every rank must run backward on the same number of iterations, and (without
+//   find_unused_parameters) every parameter must get a gradient on every iteration; otherwise the
+//   end of backward raises UsageError naming the parameters that got none and the option to set.
+// - Threading: one backward at a time per DDP object. Errors from the collectives (timeouts, dead
+//   peers) surface as chorus::Error from backward() or the next forward().
+#pragma once
+
+#include <torch/nn/module.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "chorus/comm/process_group.h"
+
+namespace chorus::ddp {
+
+enum class Compression {
+  kNone,      // gradients travel in their own dtype
+  kFloat16,   // cast to float16 for the allreduce, back after (halves the bytes)
+  kBFloat16,  // cast to bfloat16 (same range as float32, fewer mantissa bits)
+};
+
+struct Options {
+  double first_bucket_mb = 1.0;    // the first bucket (the last layers) is small so it starts early
+  double bucket_cap_mb = 25.0;     // later buckets
+  bool find_unused_parameters = false;
+  bool broadcast_buffers = true;   // rank 0's buffers (e.g. BatchNorm statistics) before each forward
+  Compression compression = Compression::kNone;
+  bool gradient_as_bucket_view = false;  // .grad tensors are views into the buckets: no copy
+  ProcessGroup* group = nullptr;   // nullptr = chorus::dist's default group
+};
+
+// Statistics of the last synchronised backward, for benchmarks and tuning.
+struct Stats {
+  int buckets = 0;
+  int64_t gradient_bytes = 0;      // bytes of gradients synchronised per step
+  int64_t bucket_bytes = 0;        // bytes held in bucket buffers (the extra gradient copy)
+  double backward_ms = 0;          // from the first gradient hook to the end of backward
+  double comm_wait_ms = 0;         // time the end of backward waited for allreduces
+};
+
+// The libtorch-independent part of DDP: the reducer over a module's parameters.
+class Reducer {
+ public:
+  Reducer(torch::nn::Module& module, Options options);
+  ~Reducer();
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+
+  // Called before each forward: broadcasts buffers when asked, re-arms the hooks.
+  void prepare_forward();
+  // While the guard lives, backward accumulates gradients locally (no communication).
+  class NoSync {
+   public:
+    explicit NoSync(Reducer& r);
+    ~NoSync();
+
+   private:
+    Reducer& r_;
+    bool previous_;
+  };
+  NoSync no_sync() { return NoSync(*this); }
+
+  const Stats& stats() const;
+  ProcessGroup& group();
+  const std::vector<std::vector<size_t>>& bucket_assignment() const;  // parameter indices per bucket
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+template <typename ModuleType>
+class DistributedDataParallel {
+ public:
+  explicit DistributedDataParallel(std::shared_ptr<ModuleType> module, Options options = {})
+      : module_(std::move(module)), reducer_(std::make_unique<Reducer>(*module_, std::move(options))) {}
+  // Module holders (TORCH_MODULE(Net)) work too.
+  template <typename Holder, typename = decltype(std::declval<Holder>().ptr())>
+  explicit DistributedDataParallel(Holder holder, Options options = {})
+      : DistributedDataParallel(holder.ptr(), std::move(options)) {}
+
+  template <typename... Args>
+  auto forward(Args&&... args) {
+    reducer_->prepare_forward();
+    return module_->forward(std::forward<Args>(args)...);
+  }
+  template <typename... Args>
+  auto operator()(Args&&... args) {
+    return forward(std::forward<Args>(args)...);
+  }
+
+  ModuleType* operator->() { return module_.get(); }
+  const std::shared_ptr<ModuleType>& module() const { return module_; }
+  Reducer::NoSync no_sync() { return reducer_->no_sync(); }
+  Reducer& reducer() { return *reducer_; }
+  const Stats& stats() const { return reducer_->stats(); }
+
+ private:
+  std::shared_ptr<ModuleType> module_;
+  std::unique_ptr<Reducer> reducer_;
+};
+
+template <typename Holder, typename = decltype(std::declval<Holder>().ptr())>
+DistributedDataParallel(Holder, Options = {}) -> DistributedDataParallel<typename Holder::ContainedType>;
+template <typename ModuleType>
+DistributedDataParallel(std::shared_ptr<ModuleType>, Options = {}) -> DistributedDataParallel<ModuleType>;
+
+}  // namespace chorus::ddp

@@ -1,0 +1,342 @@
+// DistributedDataParallel: the reducer. See include/chorus/ddp/ddp.h for the contract.
+//
+// Each parameter's gradient accumulator gets a post hook, which runs once the parameter's .grad is
+// up to date in this backward. The hook copies the gradient into its bucket (or, with
+// gradient_as_bucket_view, finds it already there) and counts the bucket down; buckets are
+// launched strictly in bucket order, so every rank issues the same allreduces in the same order
+// whatever order its gradients arrive in. The first hook of a backward queues a callback that the
+// autograd engine runs when backward is done: it settles parameters that got no gradient, launches
+// what is left, waits, and writes the averages into .grad.
+#include "chorus/ddp/ddp.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/strides.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <chrono>
+#include <map>
+#include <sstream>
+
+#include "bucket_plan.h"
+#include "chorus/comm/error.h"
+#include "chorus/torch/distributed.h"
+
+namespace chorus::ddp {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+class PostHook final : public torch::autograd::FunctionPostHook {
+ public:
+  explicit PostHook(std::function<void()> fn) : fn_(std::move(fn)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    fn_();
+    return outputs;
+  }
+
+ private:
+  std::function<void()> fn_;
+};
+
+std::string describe_tensor(const std::string& name, const at::Tensor& t) {
+  std::ostringstream out;
+  out << name << " " << t.sizes() << " " << t.scalar_type();
+  return out.str();
+}
+
+// A tensor sharing flat's memory at `offset`, shaped `sizes`, that is not an autograd view:
+// optimizers call detach_() on gradients, which views refuse.
+at::Tensor alias_of(const at::Tensor& flat, int64_t offset, at::IntArrayRef sizes) {
+  at::NoGradGuard no_grad;
+  at::Tensor t = at::empty({0}, flat.options());
+  t.set_(flat.storage(), flat.storage_offset() + offset, sizes, c10::contiguous_strides(sizes));
+  return t;
+}
+
+double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
+
+struct Bucket {
+  std::vector<size_t> params;    // parameter indices, in the order they were assigned
+  std::vector<int64_t> offsets;  // element offset of each in flat
+  at::Tensor flat;               // the gradients, back to back, in the parameters' dtype
+  at::Tensor wire;               // the compressed copy that travels, if compressing
+  size_t pending = 0;            // parameters not yet ready in this backward
+  std::shared_ptr<Work> work;
+};
+
+}  // namespace
+
+struct Reducer::Impl {
+  Options opts;
+  ProcessGroup* pg = nullptr;
+  int world = 1;
+  std::vector<std::string> names;
+  std::vector<at::Tensor> params;
+  std::vector<std::string> buffer_names;
+  std::vector<at::Tensor> buffers;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;  // keeps the hooks alive
+  std::vector<Bucket> buckets;
+  std::vector<std::pair<size_t, size_t>> where;  // parameter -> (bucket, position in bucket)
+  std::vector<bool> ready;
+  size_t next_launch = 0;
+  bool sync = true;
+  bool in_backward = false;
+  Clock::time_point backward_start;
+  Stats stats;
+  std::vector<std::vector<size_t>> assignment;
+  std::shared_ptr<bool> alive = std::make_shared<bool>(true);
+
+  std::string me() const { return "chorus::ddp: rank " + std::to_string(pg->rank()); }
+
+  at::Tensor slot(size_t i) {
+    auto [b, k] = where[i];
+    return buckets[b].flat.narrow(0, buckets[b].offsets[k], params[i].numel());
+  }
+  at::Tensor grad_alias(size_t i) {
+    auto [b, k] = where[i];
+    return alias_of(buckets[b].flat, buckets[b].offsets[k], params[i].sizes());
+  }
+
+  void check_agreement() {
+    std::ostringstream mine;
+    for (size_t i = 0; i < params.size(); ++i) mine << describe_tensor(names[i], params[i]) << "\n";
+    auto all = pg->all_gather_object(mine.str());
+    all->wait();
+    const auto& descs = all->objects();
+    std::vector<std::string> bad;
+    std::vector<int> bad_ranks;
+    auto lines = [](const std::string& s) {
+      std::vector<std::string> out;
+      std::istringstream in(s);
+      for (std::string l; std::getline(in, l);) out.push_back(l);
+      return out;
+    };
+    const auto ref = lines(descs[0]);
+    for (size_t r = 1; r < descs.size(); ++r) {
+      const auto other = lines(descs[r]);
+      bool differs = other.size() != ref.size();
+      for (size_t i = 0; i < std::max(ref.size(), other.size()); ++i) {
+        const std::string a = i < ref.size() ? ref[i] : "(none)";
+        const std::string b = i < other.size() ? other[i] : "(none)";
+        if (a != b) {
+          differs = true;
+          std::string entry = "#" + std::to_string(i) + ": rank 0 has " + a + ", rank " + std::to_string(r) + " has " + b;
+          if (bad.size() < 20) bad.push_back(entry);
+        }
+      }
+      if (differs) bad_ranks.push_back(static_cast<int>(r));
+    }
+    if (!bad.empty()) {
+      std::ostringstream out;
+      out << me() << ": the ranks hold different parameters (every rank must build the same model before "
+          << "wrapping it in DistributedDataParallel); differences:";
+      for (const auto& b : bad) out << "\n  " << b;
+      throw UsageError(out.str());
+    }
+  }
+
+  void broadcast_from_rank0(std::vector<at::Tensor>& tensors) {
+    if (world == 1 || tensors.empty()) return;
+    std::vector<std::shared_ptr<Work>> works;
+    for (auto& t : tensors) works.push_back(dist::broadcast(t, 0, pg, /*async_op=*/true));
+    for (auto& w : works) w->wait();
+  }
+
+  void launch(Bucket& b) {
+    const int64_t n = b.flat.numel();
+    if (b.wire.defined()) {
+      // Divide first, in full precision, so the float16 sum cannot overflow where the average fits.
+      b.flat.div_(world);
+      b.wire.copy_(b.flat);
+      b.work = dist::all_reduce(b.wire, ReduceOp::kSum, pg, /*async_op=*/true);
+    } else {
+      b.work = dist::all_reduce(b.flat, ReduceOp::kAvg, pg, /*async_op=*/true);
+    }
+    (void)n;
+  }
+
+  void launch_ready() {
+    while (next_launch < buckets.size() && buckets[next_launch].pending == 0) launch(buckets[next_launch++]);
+  }
+
+  void mark_ready(size_t i, bool has_grad) {
+    at::Tensor view = slot(i);
+    at::Tensor& grad = params[i].mutable_grad();
+    if (!has_grad || !grad.defined()) {
+      view.zero_();
+    } else if (!(opts.gradient_as_bucket_view && grad.data_ptr() == view.data_ptr())) {
+      view.copy_(grad.reshape({-1}));
+      if (opts.gradient_as_bucket_view) grad = grad_alias(i);
+    }
+    ready[i] = true;
+    buckets[where[i].first].pending--;
+  }
+
+  void on_gradient(size_t i) {
+    if (!sync) return;  // no_sync: gradients accumulate locally
+    if (!in_backward) {
+      in_backward = true;
+      backward_start = Clock::now();
+      std::weak_ptr<bool> guard = alive;
+      torch::autograd::Engine::get_default_engine().queue_callback([this, guard] {
+        if (auto a = guard.lock(); a && *a) finalize();
+      });
+    }
+    if (ready[i]) return;
+    mark_ready(i, true);
+    launch_ready();
+  }
+
+  void finalize() {
+    in_backward = false;
+    std::vector<std::string> missing;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (ready[i]) continue;
+      if (!opts.find_unused_parameters) {
+        if (missing.size() < 20) missing.push_back(names[i]);
+        mark_ready(i, false);  // zeros still go out, so the other ranks do not wait on this one
+      } else {
+        // Unused here: contributes what it has (a gradient kept from no_sync steps) or zero.
+        mark_ready(i, params[i].grad().defined());
+      }
+    }
+    launch_ready();
+    const auto wait_start = Clock::now();
+    for (auto& b : buckets) {
+      if (b.work) b.work->wait();
+      b.work.reset();
+    }
+    stats.comm_wait_ms = ms_since(wait_start);
+    for (auto& b : buckets) {
+      if (b.wire.defined()) b.flat.copy_(b.wire);
+      for (size_t k = 0; k < b.params.size(); ++k) {
+        const size_t i = b.params[k];
+        at::Tensor view = b.flat.narrow(0, b.offsets[k], params[i].numel()).view(params[i].sizes());
+        at::Tensor& grad = params[i].mutable_grad();
+        if (opts.gradient_as_bucket_view) {
+          if (!grad.defined() || grad.data_ptr() != view.data_ptr()) grad = grad_alias(i);
+        } else if (grad.defined()) {
+          grad.copy_(view);
+        } else {
+          grad = view.clone();
+        }
+      }
+      b.pending = b.params.size();
+    }
+    std::fill(ready.begin(), ready.end(), false);
+    next_launch = 0;
+    stats.backward_ms = ms_since(backward_start);
+    if (!missing.empty()) {
+      std::ostringstream out;
+      out << me() << ": these parameters got no gradient in this backward: ";
+      for (size_t k = 0; k < missing.size(); ++k) out << (k ? ", " : "") << missing[k];
+      out << ". If parts of the model are legitimately unused on some steps, construct "
+          << "DistributedDataParallel with Options::find_unused_parameters = true; otherwise make sure the "
+          << "loss depends on every parameter";
+      throw UsageError(out.str());
+    }
+  }
+};
+
+Reducer::Reducer(torch::nn::Module& module, Options options) : impl_(std::make_unique<Impl>()) {
+  Impl& m = *impl_;
+  m.opts = options;
+  m.pg = options.group != nullptr ? options.group : &dist::default_group();
+  m.world = m.pg->size();
+  for (auto& item : module.named_parameters(/*recurse=*/true)) {
+    if (!item.value().requires_grad()) continue;
+    const at::Tensor& p = item.value();
+    if (!p.device().is_cpu() || !p.is_contiguous() || p.layout() != at::kStrided) {
+      throw UsageError(m.me() + ": parameter " + item.key() +
+                       " must be a dense, contiguous CPU tensor (chorus collectives run on the CPU)");
+    }
+    m.names.push_back(item.key());
+    m.params.push_back(p);
+  }
+  for (auto& item : module.named_buffers(/*recurse=*/true)) {
+    m.buffer_names.push_back(item.key());
+    m.buffers.push_back(item.value());
+  }
+  m.check_agreement();
+  {
+    torch::NoGradGuard no_grad;
+    m.broadcast_from_rank0(m.params);
+    m.broadcast_from_rank0(m.buffers);
+  }
+
+  std::vector<ParamInfo> info;
+  for (const auto& p : m.params) {
+    info.push_back({static_cast<size_t>(p.numel()) * p.element_size(), static_cast<int>(p.scalar_type())});
+  }
+  const auto mb = [](double v) { return static_cast<size_t>(v * 1024 * 1024); };
+  m.assignment = assign_buckets(info, mb(options.first_bucket_mb), mb(options.bucket_cap_mb));
+  m.where.resize(m.params.size());
+  m.ready.assign(m.params.size(), false);
+  for (size_t b = 0; b < m.assignment.size(); ++b) {
+    Bucket bucket;
+    int64_t total = 0;
+    for (size_t i : m.assignment[b]) {
+      m.where[i] = {b, bucket.params.size()};
+      bucket.params.push_back(i);
+      bucket.offsets.push_back(total);
+      total += m.params[i].numel();
+    }
+    const at::Tensor& first = m.params[bucket.params[0]];
+    bucket.flat = at::zeros({total}, first.options().requires_grad(false));
+    if (options.compression != Compression::kNone && at::isFloatingType(first.scalar_type()) &&
+        first.scalar_type() != at::kHalf && first.scalar_type() != at::kBFloat16) {
+      bucket.wire = at::empty({total}, first.options().requires_grad(false)
+                                           .dtype(options.compression == Compression::kFloat16 ? at::kHalf : at::kBFloat16));
+    }
+    bucket.pending = bucket.params.size();
+    m.stats.gradient_bytes += total * static_cast<int64_t>(first.element_size());
+    if (!options.gradient_as_bucket_view) m.stats.bucket_bytes += bucket.flat.nbytes();
+    if (bucket.wire.defined()) m.stats.bucket_bytes += bucket.wire.nbytes();
+    m.buckets.push_back(std::move(bucket));
+  }
+  m.stats.buckets = static_cast<int>(m.buckets.size());
+
+  if (options.gradient_as_bucket_view) {
+    // .grad becomes a view into its bucket: backward accumulates straight into the bucket.
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < m.params.size(); ++i) {
+      at::Tensor alias = m.grad_alias(i);
+      at::Tensor& grad = m.params[i].mutable_grad();
+      if (grad.defined()) alias.copy_(grad);
+      grad = alias;
+    }
+  }
+
+  for (size_t i = 0; i < m.params.size(); ++i) {
+    auto acc = torch::autograd::impl::grad_accumulator(m.params[i]);
+    std::weak_ptr<bool> guard = m.alive;
+    Impl* self = &m;
+    acc->add_post_hook(std::make_unique<PostHook>([self, guard, i] {
+      if (auto a = guard.lock(); a && *a) self->on_gradient(i);
+    }));
+    m.accumulators.push_back(std::move(acc));
+  }
+}
+
+Reducer::~Reducer() { *impl_->alive = false; }
+
+void Reducer::prepare_forward() {
+  Impl& m = *impl_;
+  if (m.opts.broadcast_buffers && m.world > 1 && !m.buffers.empty()) {
+    torch::NoGradGuard no_grad;
+    m.broadcast_from_rank0(m.buffers);
+  }
+}
+
+Reducer::NoSync::NoSync(Reducer& r) : r_(r), previous_(r.impl_->sync) { r.impl_->sync = false; }
+Reducer::NoSync::~NoSync() { r_.impl_->sync = previous_; }
+
+const Stats& Reducer::stats() const { return impl_->stats; }
+ProcessGroup& Reducer::group() { return *impl_->pg; }
+const std::vector<std::vector<size_t>>& Reducer::bucket_assignment() const { return impl_->assignment; }
+
+}  // namespace chorus::ddp
