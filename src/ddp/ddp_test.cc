@@ -144,14 +144,14 @@ TEST_P(Golden, GradientAsBucketViewMatches) {
 TEST_P(Golden, Float16CompressionWithinTolerance) {
   Variant v;
   v.options.compression = Compression::kFloat16;
-  v.tolerance = 2e-3;
+  v.tolerance = 5e-4;
   EXPECT_EQ(testing::run_ranks(GetParam(), [&](int r, int w, std::shared_ptr<Store>) { run_variant(r, w, v); }), "");
 }
 
 TEST_P(Golden, BFloat16CompressionWithinTolerance) {
   Variant v;
   v.options.compression = Compression::kBFloat16;
-  v.tolerance = 1e-2;
+  v.tolerance = 1e-3;
   EXPECT_EQ(testing::run_ranks(GetParam(), [&](int r, int w, std::shared_ptr<Store>) { run_variant(r, w, v); }), "");
 }
 
