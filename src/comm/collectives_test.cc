@@ -259,6 +259,15 @@ TEST_P(Conformance, PointToPointObjectsAndSubgroups) {
         if (in[static_cast<size_t>(i)] != prev * 1000 + i) throw std::runtime_error("recv got wrong data");
       }
     }
+    // Large sends posted before the receives on both sides: each rank's send blocks until the
+    // peer reads, so the transport must buffer incoming bytes while it sends.
+    if (w > 1) {
+      const int next = (rank + 1) % w, prev = (rank - 1 + w) % w;
+      std::vector<int64_t> out(2 << 20, rank), in(2 << 20, -1);  // 16 MiB each way
+      pg->send(out.data(), out.size(), DataType::kInt64, next, 1)->wait();
+      pg->recv(in.data(), in.size(), DataType::kInt64, prev, 1)->wait();
+      if (in.front() != prev || in.back() != prev) throw std::runtime_error("send-send exchange gave wrong data");
+    }
     // Objects: rank i contributes i copies of 'a' + i (rank 0 an empty string).
     auto w1 = pg->all_gather_object(std::string(static_cast<size_t>(rank), static_cast<char>('a' + rank)));
     w1->wait();

@@ -184,5 +184,35 @@ TEST(Failure, PeerWithWrongTokenOrWorldSizeIsRefused) {
   EXPECT_NE(sizes[1].text.find("world size"), std::string::npos);
 }
 
+TEST(Failure, TimedWaitHonoursItsTimeoutWhileTheOperationGoesOn) {
+  auto reports = testing::run_ranks_independent(2, [](int rank, int w) -> std::string {
+    auto pg = connect_process_group("env://", rank, w, opts(milliseconds(5000)));
+    float x = 1;
+    if (rank == 1) std::this_thread::sleep_for(milliseconds(1500));
+    auto work = pg->allreduce(&x, 1, DataType::kFloat32);
+    std::string first = outcome([&] { work->wait(milliseconds(200)); });
+    work->wait();  // the operation itself still completes
+    return first + (x == 2 ? " | completed" : " | wrong result");
+  });
+  SCOPED_TRACE(reports[0].text);
+  EXPECT_EQ(reports[0].text.rfind("TimeoutError", 0), 0u);
+  EXPECT_LT(elapsed_of(reports[0].text), 1.0);
+  EXPECT_NE(reports[0].text.find("completed"), std::string::npos);
+}
+
+TEST(Failure, ShutdownWhileAnotherThreadRunsAnOperationInlineReturns) {
+  auto reports = testing::run_ranks_independent(2, [](int rank, int w) -> std::string {
+    auto pg = connect_process_group("env://", rank, w, opts(milliseconds(5000)));
+    std::vector<float> v(4 << 20, 1.0f);
+    auto work = pg->allreduce(v.data(), v.size(), DataType::kFloat32);
+    std::thread waiter([&] { work->wait(); });
+    std::this_thread::sleep_for(milliseconds(1));
+    pg->shutdown();  // must return once the running operation ends
+    waiter.join();
+    return v[0] == 2.0f ? "ok" : "wrong";
+  }, std::chrono::seconds(20));
+  for (const auto& r : reports) EXPECT_EQ(r.text, "ok") << "rank " << r.rank;
+}
+
 }  // namespace
 }  // namespace chorus

@@ -25,6 +25,8 @@ uint8_t classify(const std::exception& e) {
   if (dynamic_cast<const TimeoutError*>(&e)) return transport::kErrTimeout;
   if (dynamic_cast<const PeerError*>(&e)) return transport::kErrPeer;
   if (dynamic_cast<const MismatchError*>(&e)) return transport::kErrMismatch;
+  if (dynamic_cast<const HandshakeError*>(&e)) return transport::kErrHandshake;
+  if (dynamic_cast<const UsageError*>(&e)) return transport::kErrUsage;
   return transport::kErrOther;
 }
 
@@ -33,6 +35,8 @@ std::exception_ptr make_error(uint8_t cls, const std::string& msg) {
     case transport::kErrTimeout: return std::make_exception_ptr(TimeoutError(msg));
     case transport::kErrPeer: return std::make_exception_ptr(PeerError(msg));
     case transport::kErrMismatch: return std::make_exception_ptr(MismatchError(msg));
+    case transport::kErrHandshake: return std::make_exception_ptr(HandshakeError(msg));
+    case transport::kErrUsage: return std::make_exception_ptr(UsageError(msg));
     default: return std::make_exception_ptr(Error(msg));
   }
 }
@@ -65,11 +69,11 @@ class WorkImpl final : public Work {
   }
 
   void wait(std::chrono::milliseconds timeout) override {
-    if (!is_completed() && runner_ != nullptr) runner_->run_inline(this);
+    // No inline run here: an inline run lasts as long as the operation, which can exceed `timeout`.
     if (!is_completed()) {
       std::unique_lock<std::mutex> lock(mu_);
       if (!cv_.wait_for(lock, timeout, [&] { return is_completed(); })) {
-        throw TimeoutError("chorus: Work::wait: " + what_ + " did not complete within " +
+        throw TimeoutError("chorus: " + what_ + ": Work::wait did not see it complete within " +
                            net::format_duration(timeout) + "; it is still running");
       }
     }
@@ -127,6 +131,7 @@ struct ProcessGroup::Impl final : InlineRunner {
   std::vector<uint64_t> send_seq, recv_seq;
   int next_group_id = 0;
   std::thread worker;
+  std::mutex shutdown_mu;
 
   std::atomic<bool> broken{false};
   std::string broken_msg;  // written by the worker before broken is set
@@ -161,7 +166,7 @@ struct ProcessGroup::Impl final : InlineRunner {
     } else {
       call.seq = seq++;
     }
-    auto work = std::make_shared<WorkImpl>(wire::describe(call), this);
+    auto work = std::make_shared<WorkImpl>("rank " + std::to_string(rank) + ": " + wire::describe(call), this);
     if (broken.load(std::memory_order_acquire)) {
       work->finish(make_error(broken_class, me() + ": " + wire::describe(call) +
                                                 " not run: the process group is broken since an earlier "
@@ -205,9 +210,9 @@ struct ProcessGroup::Impl final : InlineRunner {
     execute(task);
     lock.lock();
     running = false;
-    const bool more = !queue.empty();
     lock.unlock();
-    if (more) cv.notify_all();
+    // The worker may be waiting for this run to end: to take the next operation, or to stop.
+    cv.notify_all();
     return true;
   }
 
@@ -265,7 +270,15 @@ ProcessGroup::ProcessGroup(std::shared_ptr<Store> store, int rank, int size, Pro
   if (to.spin_us < 0) {
     to.spin_us = static_cast<unsigned>(size) <= std::thread::hardware_concurrency() ? 20 : 0;
   }
-  m.transport = transport::make_tcp_transport(to);
+  try {
+    m.transport = transport::make_tcp_transport(to);
+  } catch (const std::exception& e) {
+    // Name the rank and group on every setup error (store, connect, handshake, accept).
+    const std::string what = e.what();
+    const std::string prefix = "chorus: rank " + std::to_string(rank) + ": group '" + options.group_name + "' setup: ";
+    const std::string msg = what.rfind("chorus: rank", 0) == 0 ? what : prefix + what;
+    std::rethrow_exception(make_error(classify(e), msg));
+  }
   m.worker = std::thread([this] { impl_->loop(); });
 }
 
@@ -273,6 +286,7 @@ ProcessGroup::~ProcessGroup() { shutdown(); }
 
 void ProcessGroup::shutdown() {
   Impl& m = *impl_;
+  std::lock_guard<std::mutex> once(m.shutdown_mu);  // concurrent shutdown() calls join once
   {
     std::lock_guard<std::mutex> lock(m.mu);
     if (m.stopping && !m.worker.joinable()) return;
@@ -433,32 +447,43 @@ std::shared_ptr<Work> ProcessGroup::recv(void* data, size_t count, DataType dtyp
                    }, src);
 }
 
+// The object collectives send from buffers of their own. They live in state the task owns, not on
+// the stack: after a failure the transport may still finish a message in flight from them.
+struct ObjectState {
+  std::string object;
+  int64_t length = 0;
+  std::vector<int64_t> lengths;
+  std::string all;
+};
+
 std::shared_ptr<Work> ProcessGroup::all_gather_object(std::string object) {
   Impl& m = *impl_;
+  auto st = std::make_shared<ObjectState>();
+  st->object = std::move(object);
   return m.enqueue(OpType::kAllgatherObject, DataType::kUInt8, ReduceOp::kSum, 0, 0,
-                   [&m, object = std::move(object)](WorkImpl& w, const Call& c) {
+                   [&m, st](WorkImpl& w, const Call& c) {
     const size_t n = static_cast<size_t>(m.size);
     // First the sizes (int64 each), then the bytes back to back.
-    std::vector<int64_t> lens(n, 0);
-    int64_t mine = static_cast<int64_t>(object.size());
+    st->lengths.assign(n, 0);
+    st->length = static_cast<int64_t>(st->object.size());
     Call sc = c;
     sc.dtype = DataType::kInt64;
     sc.count = n;
-    algo::allgatherv(*m.transport, sc, &mine, lens.data(), std::vector<size_t>(n, sizeof(int64_t)));
+    algo::allgatherv(*m.transport, sc, &st->length, st->lengths.data(), std::vector<size_t>(n, sizeof(int64_t)));
     std::vector<size_t> sizes(n);
     size_t total = 0;
     for (size_t i = 0; i < n; ++i) {
-      sizes[i] = static_cast<size_t>(lens[i]);
+      sizes[i] = static_cast<size_t>(st->lengths[i]);
       total += sizes[i];
     }
-    std::string all(total, '\0');
+    st->all.assign(total, '\0');
     Call dc = c;
     dc.count = total;
-    algo::allgatherv(*m.transport, dc, object.data(), all.data(), sizes);
+    algo::allgatherv(*m.transport, dc, st->object.data(), st->all.data(), sizes);
     w.objects_.clear();
     size_t off = 0;
     for (size_t i = 0; i < n; ++i) {
-      w.objects_.push_back(all.substr(off, sizes[i]));
+      w.objects_.push_back(st->all.substr(off, sizes[i]));
       off += sizes[i];
     }
   });
@@ -467,18 +492,20 @@ std::shared_ptr<Work> ProcessGroup::all_gather_object(std::string object) {
 std::shared_ptr<Work> ProcessGroup::broadcast_object(std::string object, int root) {
   Impl& m = *impl_;
   m.check_root(root, "broadcast_object");
+  auto st = std::make_shared<ObjectState>();
+  st->object = std::move(object);
   return m.enqueue(OpType::kBroadcastObject, DataType::kUInt8, ReduceOp::kSum, 0, root,
-                   [&m, object = std::move(object), root](WorkImpl& w, const Call& c) {
-    int64_t len = static_cast<int64_t>(object.size());
+                   [&m, st, root](WorkImpl& w, const Call& c) {
+    st->length = static_cast<int64_t>(st->object.size());
     Call sc = c;
     sc.dtype = DataType::kInt64;
     sc.count = 1;
-    algo::broadcast(*m.transport, m.tune, sc, &len, sizeof(len), root);
-    std::string data = m.rank == root ? object : std::string(static_cast<size_t>(len), '\0');
+    algo::broadcast(*m.transport, m.tune, sc, &st->length, sizeof(st->length), root);
+    if (m.rank != root) st->object.assign(static_cast<size_t>(st->length), '\0');
     Call dc = c;
-    dc.count = static_cast<uint64_t>(len);
-    algo::broadcast(*m.transport, m.tune, dc, data.data(), data.size(), root);
-    w.objects_.assign(1, std::move(data));
+    dc.count = static_cast<uint64_t>(st->length);
+    algo::broadcast(*m.transport, m.tune, dc, st->object.data(), st->object.size(), root);
+    w.objects_.assign(1, st->object);
   });
 }
 

@@ -93,6 +93,24 @@ void drain(Child& c) {
   ::_exit(code);
 }
 
+// The failed child most likely to be the root cause: killed by a signal (spawn has sent none yet),
+// then one whose message is its own error rather than a relayed "failed because rank N failed",
+// then the lowest rank.
+int root_cause(const std::vector<Child>& children) {
+  int best = -1, best_score = -1;
+  for (const auto& c : children) {
+    if (!c.exited || (WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0)) continue;
+    int score = 1;
+    if (WIFSIGNALED(c.status)) score = 3;
+    else if (c.message.find("failed because rank") == std::string::npos) score = 2;
+    if (score > best_score) {
+      best = c.rank;
+      best_score = score;
+    }
+  }
+  return best;
+}
+
 }  // namespace
 
 std::string random_token() {
@@ -161,6 +179,7 @@ void spawn(int nprocs, const std::function<void(int rank, int world_size)>& fn,
   int first_failed = -1;
   bool timed_out = false;
   Clock::time_point kill_at = Clock::time_point::max();
+  Clock::time_point decide_at = Clock::time_point::max();
   bool killed = false;
   size_t alive = children.size();
 
@@ -170,9 +189,10 @@ void spawn(int nprocs, const std::function<void(int rank, int world_size)>& fn,
       if (c.msg_fd >= 0) pfds.push_back({c.msg_fd, POLLIN, 0});
       if (!c.exited && c.pidfd >= 0) pfds.push_back({c.pidfd, POLLIN, 0});
     }
-    auto wake = std::min(deadline, kill_at);
+    auto wake = std::min({deadline, kill_at, decide_at});
     int wait_ms = std::min(net::ms_until(wake), 100);  // 100 ms cap covers kernels without pidfd
     ::poll(pfds.data(), pfds.size(), wait_ms);
+    bool failure_seen = false;
     for (auto& c : children) {
       drain(c);
       if (c.exited) continue;
@@ -187,11 +207,17 @@ void spawn(int nprocs, const std::function<void(int rank, int world_size)>& fn,
         c.pidfd = -1;
       }
       bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-      if (failed && first_failed < 0 && !timed_out) {
-        first_failed = c.rank;
-        kill_all(SIGTERM);
-        kill_at = Clock::now() + options.grace_period;
-      }
+      failure_seen |= failed;
+    }
+    if (failure_seen && first_failed < 0 && !timed_out && decide_at == Clock::time_point::max()) {
+      // Peers report a death within a millisecond, often before the dead process can be reaped:
+      // collect failures for a moment before naming the root cause.
+      decide_at = Clock::now() + std::chrono::milliseconds(100);
+    }
+    if (first_failed < 0 && !timed_out && Clock::now() >= decide_at) {
+      first_failed = root_cause(children);
+      kill_all(SIGTERM);
+      kill_at = Clock::now() + options.grace_period;
     }
     auto now = Clock::now();
     if (alive > 0 && has_deadline && now >= deadline && !timed_out && first_failed < 0) {
@@ -219,6 +245,7 @@ void spawn(int nprocs, const std::function<void(int rank, int world_size)>& fn,
     }
   }
 
+  if (first_failed < 0 && !timed_out) first_failed = root_cause(children);  // all ended before deciding
   if (first_failed < 0 && !timed_out) return;
 
   std::ostringstream out;
@@ -246,10 +273,19 @@ void spawn(int nprocs, const std::function<void(int rank, int world_size)>& fn,
     if (!c.message.empty()) out << ": " << c.message;
     out << "; the other " << (nprocs - 1) << " process(es) were ended";
   }
-  // Other ranks' messages often explain the cascade (e.g. "peer 1 closed its connection").
+  // Every other rank that failed, with how, and its message: they often explain the cascade.
   for (const auto& c : children) {
-    if (c.rank == first.rank || c.message.empty()) continue;
-    out << "\n  rank " << c.rank << ": " << c.message;
+    if (c.rank == first.rank) continue;
+    const bool ok = WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0;
+    if (ok && c.message.empty()) continue;
+    out << "\n  rank " << c.rank << " (";
+    if (WIFSIGNALED(c.status)) {
+      out << signal_name(WTERMSIG(c.status));
+    } else {
+      out << "exit code " << WEXITSTATUS(c.status);
+    }
+    out << ")";
+    if (!c.message.empty()) out << ": " << c.message;
   }
   throw SpawnError(out.str(), first);
 }

@@ -60,6 +60,26 @@ TEST(Spawn, KilledRankIsReportedWithItsSignal) {
   }
 }
 
+TEST(Spawn, TheRankThatDiedIsBlamedNotThePeersThatReportedIt) {
+  for (int trial = 0; trial < 5; ++trial) {
+    try {
+      spawn(4, [](int rank, int world) {
+        ProcessGroupOptions o;
+        o.timeout = std::chrono::seconds(5);
+        auto pg = connect_process_group("env://", rank, world, o);
+        pg->barrier()->wait();
+        if (rank == 3) ::raise(SIGKILL);
+        float x = 1;
+        pg->allreduce(&x, 1, DataType::kFloat32)->wait();  // the others fail fast with PeerError
+      });
+      FAIL() << "spawn should have thrown";
+    } catch (const SpawnError& e) {
+      EXPECT_EQ(e.first_failure().rank, 3) << e.what();
+      EXPECT_EQ(e.first_failure().signal, SIGKILL) << e.what();
+    }
+  }
+}
+
 TEST(Spawn, JobTimeoutEndsEveryone) {
   SpawnOptions o;
   o.timeout = std::chrono::milliseconds(300);

@@ -246,6 +246,7 @@ class TcpTransport final : public Transport {
       c.in_end -= c.in_begin;
       c.in_begin = 0;
     }
+    if (c.inbox.size() - c.in_end < want) c.inbox.resize(std::max(c.inbox.size() * 2, c.in_end + want));
     size_t room = c.inbox.size() - c.in_end;
     for (;;) {
       ssize_t k = ::recv(c.fd.get(), c.inbox.data() + c.in_end, room, MSG_DONTWAIT);
@@ -299,6 +300,8 @@ class TcpTransport final : public Transport {
       case kErrTimeout: throw TimeoutError(msg);
       case kErrPeer: throw PeerError(msg);
       case kErrMismatch: throw MismatchError(msg);
+      case kErrHandshake: throw HandshakeError(msg);
+      case kErrUsage: throw UsageError(msg);
       default: throw Error(msg);
     }
   }
@@ -379,6 +382,7 @@ class TcpTransport final : public Transport {
 
   bool pump_sends(Conn& c) {
     bool progressed = false;
+    if (c.said_goodbye) fail_closed(c, "");
     while (!c.sends.empty()) {
       SendItem& s = c.sends.front();
       const size_t total = sizeof(wire::Header) + s.n;
@@ -407,6 +411,24 @@ class TcpTransport final : public Transport {
       }
     }
     return progressed;
+  }
+
+  // Buffers what a peer sends while this rank has no receive posted for it (the inbox grows), so
+  // that a rank blocked in a send never blocks a peer that is itself blocked sending.
+  void read_ahead(Conn& c) {
+    bool eof = false;
+    while (fill_inbox(c, kInboxBytes, &eof) > 0) {
+    }
+    if (!eof) return;
+    if (c.inbox_size() >= sizeof(wire::Header)) {
+      // A goodbye or an abort at the front speaks for itself; data belongs to a later operation,
+      // which will see the end of the stream after it.
+      if (handle_control(c, peek_header(c)) && !c.sends.empty()) fail_closed(c, "");
+      c.quiet_hup = true;
+      return;
+    }
+    fail_closed(c, c.sends.empty() ? "while this rank was in an operation with other peers"
+                                   : "while this rank was sending to it");
   }
 
   // A connection with nothing posted reported a hangup or error: learn whether the peer said
@@ -451,7 +473,8 @@ class TcpTransport final : public Transport {
                               : "its next message");
         sep = "; and for ";
       } else if (!c.sends.empty()) {
-        out << sep << peer_name(c.peer) << " to take data (it is not reading)";
+        out << sep << peer_name(c.peer) << " to take " << (sizeof(wire::Header) + c.sends.front().n - c.sends.front().off)
+            << " more bytes (it has not posted the matching receive)";
         sep = "; and for ";
       }
     }
@@ -486,6 +509,8 @@ class TcpTransport final : public Transport {
     }
     pfds_.clear();
     pfd_conn_.clear();
+    bool sending = false;
+    for (const auto& c : conns_) sending |= !c.sends.empty();
     for (auto& c : conns_) {
       if (!c.fd.valid()) continue;
       const bool busy = !c.sends.empty() || !c.recvs.empty();
@@ -494,7 +519,9 @@ class TcpTransport final : public Transport {
       // even when the operation is waiting on someone else.
       short ev = c.quiet_hup ? 0 : POLLRDHUP;
       if (!c.sends.empty()) ev |= POLLOUT;
-      if (!c.recvs.empty()) ev |= POLLIN;
+      // While this rank is blocked sending, it also reads from every peer: a peer blocked sending
+      // to it (send/recv posted in the same order on both sides, or a ring of sends) can go on.
+      if (!c.recvs.empty() || (sending && !c.quiet_hup)) ev |= POLLIN;
       pfds_.push_back(pollfd{c.fd.get(), ev, 0});
       pfd_conn_.push_back(&c);
     }
@@ -508,6 +535,10 @@ class TcpTransport final : public Transport {
       Conn& c = *pfd_conn_[i];
       short re = pfds_[i].revents;
       if (re == 0) continue;
+      if (c.recvs.empty() && (re & POLLIN)) {
+        read_ahead(c);
+        continue;
+      }
       // Receives see the end of the stream themselves; otherwise look at what the peer said.
       if (c.recvs.empty() && (re & (POLLRDHUP | POLLHUP | POLLERR))) check_hangup(c, re);
     }
@@ -574,9 +605,12 @@ std::unique_ptr<Transport> make_tcp_transport(const TcpOptions& o) {
   const std::string me = "rank " + std::to_string(o.rank);
   const std::string host = o.advertise_host.empty() ? "127.0.0.1" : o.advertise_host;
 
-  net::Fd listener = net::listen_tcp(host == "127.0.0.1" ? "127.0.0.1" : "", 0);
+  // Loopback-only jobs listen on loopback; otherwise on every interface of the advertised family.
+  const bool ipv6 = host.find(':') != std::string::npos;
+  net::Fd listener = net::listen_tcp(host == "127.0.0.1" ? "127.0.0.1" : (ipv6 ? "::" : ""), 0);
   const int port = net::local_port(listener.get());
-  o.store->set(o.key_prefix + "/addr/" + std::to_string(o.rank), host + ":" + std::to_string(port));
+  o.store->set(o.key_prefix + "/addr/" + std::to_string(o.rank),
+               (ipv6 ? "[" + host + "]" : host) + ":" + std::to_string(port));
 
   // Connect to every lower rank; the lower rank accepts.
   for (int peer = 0; peer < o.rank; ++peer) {
@@ -593,7 +627,7 @@ std::unique_ptr<Transport> make_tcp_transport(const TcpOptions& o) {
     int peer_port = 0;
     std::string peer_host = split_host(addr, &peer_port);
     std::string what = "rank " + std::to_string(peer) + " at " + addr;
-    net::Fd fd = net::connect_tcp(peer_host, peer_port, o.deadline, what);
+    net::Fd fd = net::connect_tcp(peer_host, peer_port, o.deadline, "rank " + std::to_string(peer));
     handshake::Hello hello;
     hello.kind = handshake::PeerKind::kTransport;
     hello.token = o.token;
@@ -620,7 +654,9 @@ std::unique_ptr<Transport> make_tcp_transport(const TcpOptions& o) {
     std::string peer_addr = net::peer_string(fd.get());
     handshake::Hello hello;
     std::string error;
-    if (!handshake::read_hello(fd.get(), o.deadline, &hello, &error)) {
+    // A connection that never says hello (a stray client) must not hold up the group for long.
+    const auto hello_deadline = std::min(o.deadline, Clock::now() + std::chrono::seconds(5));
+    if (!handshake::read_hello(fd.get(), hello_deadline, &hello, &error)) {
       std::fprintf(stderr, "chorus: %s: dropped a connection from %s: %s\n", me.c_str(), peer_addr.c_str(),
                    error.c_str());
       continue;

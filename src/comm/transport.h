@@ -57,7 +57,14 @@ class Transport {
 };
 
 // Error classes carried by abort messages, so the peer rethrows the same exception type.
-enum ErrorClass : uint8_t { kErrOther = 0, kErrTimeout = 1, kErrPeer = 2, kErrMismatch = 3 };
+enum ErrorClass : uint8_t {
+  kErrOther = 0,
+  kErrTimeout = 1,
+  kErrPeer = 2,
+  kErrMismatch = 3,
+  kErrHandshake = 4,
+  kErrUsage = 5,
+};
 
 struct TcpOptions {
   Store* store = nullptr;       // for exchanging listen addresses (keys under key_prefix)

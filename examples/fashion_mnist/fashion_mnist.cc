@@ -1,0 +1,391 @@
+// fashion_mnist: data-parallel training of PyTorch's MNIST example network on Fashion-MNIST.
+//
+//   build/bin/fashion_mnist --nproc 2                  # starts 2 local ranks itself
+//   RANK=.. WORLD_SIZE=.. MASTER_ADDR=.. MASTER_PORT=.. build/bin/fashion_mnist   # one rank of a job
+//
+// Every rank loads the whole data set (uint8, 55 MB), trains on its DistributedSampler share with
+// DDP averaging the gradients, evaluates exactly once per item of the test set at the end of every
+// epoch, and checkpoints. Rank 0 prints the progress and writes --metrics-json.
+#include <CLI/CLI.hpp>
+#include <torch/nn/functional/loss.h>
+#include <torch/optim/sgd.h>
+#include <torch/utils.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "chorus/comm/spawn.h"
+#include "chorus/data/evaluation.h"
+#include "chorus/data/sampler.h"
+#include "chorus/ddp/ddp.h"
+#include "chorus/torch/distributed.h"
+#include "chorus/train/checkpoint.h"
+#include "idx.h"
+#include "models.h"
+
+namespace fashion_mnist {
+namespace {
+
+namespace dist = chorus::dist;
+using Clock = std::chrono::steady_clock;
+
+struct Config {
+  int nproc = 0;
+  std::string data = "/usr/share/datasets/fashion-mnist";
+  int64_t epochs = 1;
+  int64_t max_steps = 0;  // 0: no limit
+  int64_t batch_size = 64;
+  double lr = 0.01;
+  double momentum = 0.9;
+  std::string model = "cnn";
+  int threads = 1;
+  uint64_t seed = 1;
+  std::string metrics_json;
+  std::string checkpoint_dir = "checkpoints/fashion_mnist";
+  bool no_checkpoint = false;
+  bool resume = false;
+  std::string sync = "on";
+  std::string compression = "none";
+  double bucket_cap_mb = 25.0;
+  int64_t eval_limit = 0;  // 0: the whole test set
+  int64_t log_every = 50;
+};
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+std::string hms(double s) {
+  const int64_t t = static_cast<int64_t>(s + 0.5);
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%" PRId64 ":%02d:%02d", t / 3600, static_cast<int>(t / 60 % 60),
+                static_cast<int>(t % 60));
+  return buf;
+}
+
+// Rank 0's progress: one line rewritten in place on a terminal, else a line every log_every steps.
+class Progress {
+ public:
+  Progress(bool active, int64_t log_every) : active_(active), tty_(::isatty(1) != 0), log_every_(log_every) {}
+
+  void step(int64_t epoch, int64_t epochs, int64_t step, int64_t planned, double loss, double samples_per_s,
+            double step_seconds) {
+    if (!active_) return;
+    loss_sum_ += loss;
+    ++loss_n_;
+    const bool last = step == planned;
+    if (tty_) {
+      if (!last && seconds_since(last_print_) < 0.25) return;
+    } else if (!last && step % log_every_ != 0) {
+      return;
+    }
+    std::printf("%sepoch %" PRId64 "/%" PRId64 "  step %" PRId64 "/%" PRId64 "  loss %.4f  %.0f samples/s  ETA %s%s",
+                tty_ ? "\r" : "", epoch + 1, epochs, step, planned, loss_sum_ / loss_n_, samples_per_s,
+                hms(static_cast<double>(planned - step) * step_seconds).c_str(), tty_ ? "\x1b[K" : "\n");
+    std::fflush(stdout);
+    open_line_ = tty_;
+    loss_sum_ = 0;
+    loss_n_ = 0;
+    last_print_ = Clock::now();
+  }
+
+  // Prints a whole line (after ending the progress line, on a terminal).
+  void line(const std::string& text) {
+    if (!active_) return;
+    std::printf("%s%s\n", open_line_ ? "\n" : "", text.c_str());
+    std::fflush(stdout);
+    open_line_ = false;
+  }
+
+ private:
+  bool active_;
+  bool tty_;
+  int64_t log_every_;
+  double loss_sum_ = 0;
+  int64_t loss_n_ = 0;
+  bool open_line_ = false;
+  Clock::time_point last_print_ = Clock::now();
+};
+
+struct Evaluation {
+  double accuracy = 0;
+  double loss = 0;  // mean NLL; on rank 0 only
+  int64_t items = 0;
+};
+
+// Exact: each of the first n test items is evaluated once, by one rank. No collective runs in the
+// loop (ranks may hold one item more than others), only in exact_accuracy / gather_evaluation.
+Evaluation evaluate(Classifier& model, const Split& test, int64_t n) {
+  torch::NoGradGuard no_grad;
+  model.eval();
+  auto range = chorus::data::evaluation_range(n, dist::get_world_size(), dist::get_rank());
+  std::vector<at::Tensor> outputs;
+  for (int64_t b = range.begin; b < range.end; b += 1000) {
+    const int64_t e = std::min(range.end, b + 1000);
+    outputs.push_back(model.forward(normalise(test.images.slice(0, b, e))));
+  }
+  at::Tensor logp = outputs.empty() ? at::empty({0, 10}) : at::cat(outputs);
+  at::Tensor targets = test.labels.slice(0, range.begin, range.end);
+  Evaluation ev;
+  ev.items = n;
+  ev.accuracy = chorus::data::exact_accuracy(logp, targets, n);
+  at::Tensor item_loss = torch::nll_loss(logp, targets, {}, at::Reduction::None);
+  at::Tensor all = chorus::data::gather_evaluation(item_loss, n, nullptr, 0);
+  if (all.defined() && n > 0) ev.loss = all.to(at::kDouble).mean().item<double>();
+  model.train();
+  return ev;
+}
+
+chorus::ddp::Compression parse_compression(const std::string& s) {
+  if (s == "fp16") return chorus::ddp::Compression::kFloat16;
+  if (s == "bf16") return chorus::ddp::Compression::kBFloat16;
+  return chorus::ddp::Compression::kNone;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+void run_rank(const Config& cfg) {
+  const auto start = Clock::now();
+  torch::set_num_threads(cfg.threads);
+  dist::init_process_group();
+  const int rank = dist::get_rank();
+  const int world = dist::get_world_size();
+  Progress progress(rank == 0, std::max<int64_t>(1, cfg.log_every));
+
+  const Split train = load_split(cfg.data, true);
+  const Split test = load_split(cfg.data, false);
+  const int64_t eval_n = cfg.eval_limit > 0 ? std::min(cfg.eval_limit, test.size()) : test.size();
+
+  torch::manual_seed(cfg.seed);  // the same initial weights everywhere (DDP broadcasts rank 0's anyway)
+  std::shared_ptr<Classifier> model = make_model(cfg.model);
+  chorus::ddp::Options ddp_options;
+  ddp_options.bucket_cap_mb = cfg.bucket_cap_mb;
+  ddp_options.compression = parse_compression(cfg.compression);
+  chorus::ddp::DistributedDataParallel<Classifier> ddp(model, ddp_options);
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(cfg.lr).momentum(cfg.momentum));
+  torch::manual_seed(cfg.seed + 1000003ull * static_cast<uint64_t>(rank + 1));  // per-rank dropout masks
+
+  chorus::data::DistributedSamplerOptions so;
+  so.num_replicas = world;
+  so.rank = rank;
+  so.shuffle = true;
+  so.seed = cfg.seed;
+  chorus::data::DistributedSampler sampler(train.size(), so);
+  const int64_t steps_per_epoch = (sampler.num_samples() + cfg.batch_size - 1) / cfg.batch_size;
+  int64_t planned = cfg.epochs * steps_per_epoch;
+  if (cfg.max_steps > 0) planned = std::min(planned, cfg.max_steps);
+
+  int64_t params = 0;
+  for (const auto& p : model->parameters()) params += p.numel();
+  char head[512];
+  std::snprintf(head, sizeof(head),
+                "fashion_mnist: %d rank(s) x %d thread(s), model %s (%" PRId64 " parameters), batch %" PRId64
+                "/rank, %" PRId64 " steps/epoch, sync %s, compression %s, data %s",
+                world, cfg.threads, cfg.model.c_str(), params, cfg.batch_size, steps_per_epoch, cfg.sync.c_str(),
+                cfg.compression.c_str(), cfg.data.c_str());
+  progress.line(head);
+
+  // Resume: the model, optimizer and RNG come from the checkpoint; the position from its state.
+  int64_t epoch = 0, step = 0, skip = 0;
+  std::optional<int64_t> resumed_from;
+  chorus::train::CheckpointOptions co;
+  if (cfg.resume && !cfg.no_checkpoint) {
+    if (auto st = chorus::train::load_checkpoint(cfg.checkpoint_dir, *model, &optimizer, co)) {
+      epoch = st->epoch;
+      step = st->step;
+      skip = std::stoll(st->extra.count("batch_in_epoch") ? st->extra.at("batch_in_epoch") : "0");
+      if (skip >= steps_per_epoch) ++epoch, skip = 0;
+      resumed_from = step;
+      progress.line("resumed from " + cfg.checkpoint_dir + " at epoch " + std::to_string(epoch + 1) + ", step " +
+                    std::to_string(step));
+    } else {
+      progress.line("no checkpoint in " + cfg.checkpoint_dir + ": starting afresh");
+    }
+  }
+  auto save = [&](int64_t ep, int64_t batch_in_epoch) {
+    if (cfg.no_checkpoint) return;
+    chorus::train::CheckpointState st{ep, step, {{"batch_in_epoch", std::to_string(batch_in_epoch)},
+                                                {"model", cfg.model}, {"world_size", std::to_string(world)}}};
+    chorus::train::save_checkpoint(cfg.checkpoint_dir, *model, &optimizer, st, co);
+  };
+
+  const bool sync = cfg.sync == "on";
+  const int64_t first_step = step;
+  double train_seconds = 0, loss_sum = 0, comm_wait_ms = 0, last_loss = 0;
+  int64_t samples = 0;
+  std::vector<double> step_ms;
+  std::optional<Evaluation> last_eval;
+
+  while (epoch < cfg.epochs && step < planned) {
+    sampler.set_epoch(epoch);
+    const std::vector<int64_t> order = sampler.indices();
+    int64_t b = skip;
+    skip = 0;
+    for (; b < steps_per_epoch && step < planned; ++b) {
+      const auto t0 = Clock::now();
+      const int64_t begin = b * cfg.batch_size;
+      const int64_t end = std::min<int64_t>(begin + cfg.batch_size, static_cast<int64_t>(order.size()));
+      at::Tensor idx = at::from_blob(const_cast<int64_t*>(order.data()) + begin, {end - begin}, at::kLong);
+      at::Tensor x = normalise(train.images.index_select(0, idx));
+      at::Tensor y = train.labels.index_select(0, idx);
+
+      optimizer.zero_grad();
+      at::Tensor loss = torch::nll_loss(ddp.forward(x), y);
+      if (sync) {
+        loss.backward();  // DDP averages the gradients here
+      } else {
+        auto guard = ddp.no_sync();  // the no-communication bound: every rank trains on its own
+        loss.backward();
+      }
+      optimizer.step();
+      const double l = loss.item<double>();
+      const double dt = seconds_since(t0);
+
+      ++step;
+      train_seconds += dt;
+      step_ms.push_back(dt * 1e3);
+      loss_sum += l;
+      last_loss = l;
+      samples += (end - begin) * world;
+      if (sync) comm_wait_ms += ddp.stats().comm_wait_ms;
+      progress.step(epoch, cfg.epochs, step, planned, l, static_cast<double>(samples) / train_seconds,
+                    train_seconds / static_cast<double>(step - first_step));
+    }
+    if (b < steps_per_epoch) {  // stopped by --max-steps inside the epoch
+      last_eval = evaluate(*model, test, eval_n);
+      save(epoch, b);
+      break;
+    }
+    const auto t_eval = Clock::now();
+    last_eval = evaluate(*model, test, eval_n);
+    ++epoch;
+    save(epoch, 0);
+    char line[256];
+    std::snprintf(line, sizeof(line), "epoch %" PRId64 ": test accuracy %.2f%% (%" PRId64 " items), test loss %.4f, "
+                  "eval+checkpoint %.1f s", epoch, 100.0 * last_eval->accuracy, last_eval->items, last_eval->loss,
+                  seconds_since(t_eval));
+    progress.line(line);
+  }
+  if (!last_eval) last_eval = evaluate(*model, test, eval_n);  // nothing left to train (resumed at the end)
+
+  // Mean training loss over every rank's steps of this run.
+  at::Tensor totals = at::tensor({loss_sum, static_cast<double>(step - first_step)}, at::kDouble);
+  dist::all_reduce(totals);
+  const double train_loss = totals[1].item<double>() > 0 ? totals[0].item<double>() / totals[1].item<double>() : 0;
+
+  const int64_t steps = step - first_step;
+  const double samples_per_s = train_seconds > 0 ? static_cast<double>(samples) / train_seconds : 0;
+  char done[256];
+  std::snprintf(done, sizeof(done), "done: %" PRId64 " steps, %.0f samples/s, train loss %.4f, test accuracy %.2f%%, %.1f s",
+                steps, samples_per_s, train_loss, 100.0 * last_eval->accuracy, seconds_since(start));
+  progress.line(done);
+
+  if (rank == 0 && !cfg.metrics_json.empty()) {
+    nlohmann::json m = {
+        {"world_size", world},
+        {"model", cfg.model},
+        {"steps", steps},
+        {"total_steps", step},
+        {"resumed_from_step", resumed_from ? nlohmann::json(*resumed_from) : nlohmann::json(nullptr)},
+        {"epochs_completed", epoch},
+        {"batch_size", cfg.batch_size},
+        {"global_batch_size", cfg.batch_size * world},
+        {"threads", cfg.threads},
+        {"sync", sync},
+        {"compression", cfg.compression},
+        {"bucket_cap_mb", cfg.bucket_cap_mb},
+        {"samples", samples},
+        {"samples_per_s", samples_per_s},
+        {"train_seconds", train_seconds},
+        {"step_ms_p50", median(step_ms)},
+        {"wall_seconds", seconds_since(start)},
+        {"train_loss", train_loss},
+        {"last_loss", last_loss},  // rank 0's loss at the last step, exactly (resume checks)
+        {"test_accuracy", last_eval->accuracy},
+        {"test_loss", last_eval->loss},
+        {"test_items", last_eval->items},
+        {"ddp",
+         {{"buckets", ddp.stats().buckets},
+          {"gradient_bytes", ddp.stats().gradient_bytes},
+          {"comm_wait_ms_mean", sync && steps > 0 ? comm_wait_ms / static_cast<double>(steps) : 0.0}}},
+    };
+    std::ofstream out(cfg.metrics_json);
+    out << m.dump(2) << "\n";
+    if (!out) throw std::runtime_error("cannot write " + cfg.metrics_json);
+  }
+  dist::destroy_process_group();
+}
+
+}  // namespace
+}  // namespace fashion_mnist
+
+int main(int argc, char** argv) {
+  fashion_mnist::Config cfg;
+  CLI::App app{"Fashion-MNIST with chorus DistributedDataParallel (PyTorch's MNIST example network)"};
+  app.add_option("--nproc", cfg.nproc, "start this many local ranks (when not started by a launcher)")
+      ->check(CLI::Range(1, 256));
+  app.add_option("--data", cfg.data, "directory of the gzipped IDX files")->capture_default_str();
+  app.add_option("--epochs", cfg.epochs, "epochs to train")->check(CLI::Range(int64_t{1}, int64_t{1} << 40))
+      ->capture_default_str();
+  app.add_option("--max-steps", cfg.max_steps, "stop after this many steps in all (0: no limit)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--batch-size", cfg.batch_size, "batch size per rank")->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->capture_default_str();
+  app.add_option("--lr", cfg.lr, "SGD learning rate")->capture_default_str();
+  app.add_option("--momentum", cfg.momentum, "SGD momentum")->capture_default_str();
+  app.add_option("--model", cfg.model, "network")->check(CLI::IsMember({"cnn", "mlp"}))->capture_default_str();
+  app.add_option("--threads", cfg.threads, "intra-op threads per rank")->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  app.add_option("--seed", cfg.seed, "seed of the weights, the data order and dropout")->capture_default_str();
+  app.add_option("--metrics-json", cfg.metrics_json, "write a summary (rank 0) to this file");
+  app.add_option("--checkpoint-dir", cfg.checkpoint_dir, "checkpoint after every epoch into this directory")
+      ->capture_default_str();
+  app.add_flag("--no-checkpoint", cfg.no_checkpoint, "write no checkpoints");
+  app.add_flag("--resume", cfg.resume, "continue from the checkpoint in --checkpoint-dir, if there is one");
+  app.add_option("--sync", cfg.sync, "allreduce the gradients (off: every rank trains alone; a benchmark bound)")
+      ->check(CLI::IsMember({"on", "off"}))->capture_default_str();
+  app.add_flag_callback("--no-sync", [&] { cfg.sync = "off"; }, "same as --sync off");
+  app.add_option("--compression", cfg.compression, "gradient compression for the allreduce")
+      ->check(CLI::IsMember({"none", "fp16", "bf16"}))->capture_default_str();
+  app.add_option("--bucket-cap-mb", cfg.bucket_cap_mb, "DDP bucket size")->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--eval-limit", cfg.eval_limit, "evaluate on the first N test items only (0: all)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--log-every", cfg.log_every, "progress line every N steps when stdout is not a terminal")
+      ->check(CLI::PositiveNumber)->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  if (std::getenv("RANK") != nullptr) {  // one rank of a job started by a launcher
+    if (cfg.nproc > 0) {
+      std::fprintf(stderr, "fashion_mnist: error: RANK is set (this process is one rank of a launched job), "
+                           "so --nproc cannot start ranks; drop --nproc\n");
+      return 2;
+    }
+    try {
+      fashion_mnist::run_rank(cfg);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "fashion_mnist: rank %s: error: %s\n", std::getenv("RANK"), e.what());
+      return 1;
+    }
+    return 0;
+  }
+  // Start the ranks here. The parent only waits: it must not touch libtorch before forking.
+  try {
+    chorus::spawn(cfg.nproc > 0 ? cfg.nproc : 1, [&](int, int) { fashion_mnist::run_rank(cfg); });
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "fashion_mnist: error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

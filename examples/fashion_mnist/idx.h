@@ -1,0 +1,23 @@
+// Fashion-MNIST from IDX files (gzipped, as Debian's dataset-fashion-mnist ships them).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+
+namespace fashion_mnist {
+
+struct Split {
+  at::Tensor images;  // uint8 [N, 1, 28, 28], raw pixel values; normalise per batch
+  at::Tensor labels;  // int64 [N], classes 0..9
+  int64_t size() const { return labels.size(0); }
+};
+
+// Reads <dir>/train-*-ubyte.gz (train) or <dir>/t10k-*-ubyte.gz; plain (not gzipped) files work
+// too. Throws std::runtime_error naming the file and what is wrong with it.
+Split load_split(const std::string& dir, bool train);
+
+// Pixels to the network's input, as PyTorch's MNIST example: (x / 255 - 0.1307) / 0.3081.
+at::Tensor normalise(const at::Tensor& images_uint8);
+
+}  // namespace fashion_mnist
