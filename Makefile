@@ -19,15 +19,16 @@ configure: $(BUILD_DIR)/build.ninja
 build: deps configure
 	cmake --build $(BUILD_DIR)
 
-# Until the DDP example exists, the main job is the collective benchmark at 2 ranks.
+# The main job: Fashion-MNIST, 2 ranks, one epoch, exact test accuracy at the end.
 run: build
-	$(BUILD_DIR)/bin/chorus bench allreduce -n 2 --check
+	$(BUILD_DIR)/bin/fashion_mnist --nproc 2 --epochs 1
 
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure --timeout 300 $(CTEST_FLAGS)
 
 bench: build
 	bench/compare-gloo
+	bench/compare-ddp
 
 clean:
 	rm -rf $(BUILD_DIR)

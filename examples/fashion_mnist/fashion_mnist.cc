@@ -10,6 +10,7 @@
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/sgd.h>
 #include <torch/utils.h>
+#include <dlfcn.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -155,9 +156,18 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// torch::set_num_threads covers libtorch's own pools; OpenBLAS (Debian's libblas.so.3 alternative)
+// keeps its own, which by default has a thread per core: two ranks on two cores would then run
+// four BLAS threads. Set it too when OpenBLAS is the BLAS in use.
+void set_blas_threads(int n) {
+  using SetThreads = void (*)(int);
+  if (auto f = reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) f(n);
+}
+
 void run_rank(const Config& cfg) {
   const auto start = Clock::now();
   torch::set_num_threads(cfg.threads);
+  set_blas_threads(cfg.threads);
   dist::init_process_group();
   const int rank = dist::get_rank();
   const int world = dist::get_world_size();
@@ -222,7 +232,7 @@ void run_rank(const Config& cfg) {
 
   const bool sync = cfg.sync == "on";
   const int64_t first_step = step;
-  double train_seconds = 0, loss_sum = 0, comm_wait_ms = 0, last_loss = 0;
+  double train_seconds = 0, loss_sum = 0, comm_wait_ms = 0, comm_ms = 0, last_loss = 0;
   int64_t samples = 0;
   std::vector<double> step_ms;
   std::optional<Evaluation> last_eval;
@@ -258,7 +268,10 @@ void run_rank(const Config& cfg) {
       loss_sum += l;
       last_loss = l;
       samples += (end - begin) * world;
-      if (sync) comm_wait_ms += ddp.stats().comm_wait_ms;
+      if (sync) {
+        comm_wait_ms += ddp.stats().comm_wait_ms;
+        comm_ms += ddp.stats().comm_ms;
+      }
       progress.step(epoch, cfg.epochs, step, planned, l, static_cast<double>(samples) / train_seconds,
                     train_seconds / static_cast<double>(step - first_step));
     }
@@ -318,7 +331,11 @@ void run_rank(const Config& cfg) {
         {"ddp",
          {{"buckets", ddp.stats().buckets},
           {"gradient_bytes", ddp.stats().gradient_bytes},
-          {"comm_wait_ms_mean", sync && steps > 0 ? comm_wait_ms / static_cast<double>(steps) : 0.0}}},
+          {"comm_wait_ms_mean", sync && steps > 0 ? comm_wait_ms / static_cast<double>(steps) : 0.0},
+          {"comm_ms_mean", sync && steps > 0 ? comm_ms / static_cast<double>(steps) : 0.0},
+          // Share of the allreduce time that ran while backward was still computing.
+          {"hidden_fraction", sync && comm_ms > 0 ? std::max(0.0, 1.0 - comm_wait_ms / comm_ms) : 0.0},
+          {"bucket_bytes", ddp.stats().bucket_bytes}}},
     };
     std::ofstream out(cfg.metrics_json);
     out << m.dump(2) << "\n";
@@ -351,8 +368,9 @@ int main(int argc, char** argv) {
   app.add_option("--metrics-json", cfg.metrics_json, "write a summary (rank 0) to this file");
   app.add_option("--checkpoint-dir", cfg.checkpoint_dir, "checkpoint after every epoch into this directory")
       ->capture_default_str();
-  app.add_flag("--no-checkpoint", cfg.no_checkpoint, "write no checkpoints");
-  app.add_flag("--resume", cfg.resume, "continue from the checkpoint in --checkpoint-dir, if there is one");
+  CLI::Option* no_ckpt = app.add_flag("--no-checkpoint", cfg.no_checkpoint, "write no checkpoints");
+  app.add_flag("--resume", cfg.resume, "continue from the checkpoint in --checkpoint-dir, if there is one")
+      ->excludes(no_ckpt);
   app.add_option("--sync", cfg.sync, "allreduce the gradients (off: every rank trains alone; a benchmark bound)")
       ->check(CLI::IsMember({"on", "off"}))->capture_default_str();
   app.add_flag_callback("--no-sync", [&] { cfg.sync = "off"; }, "same as --sync off");

@@ -84,8 +84,12 @@ class WorkImpl final : public Work {
     return is_completed() ? error_ : nullptr;
   }
   const std::vector<std::string>& objects() const override { return objects_; }
+  std::chrono::nanoseconds run_time() const override { return is_completed() ? run_time_ : std::chrono::nanoseconds(0); }
+
+  void started() { start_ = Clock::now(); }
 
   void finish(std::exception_ptr error) {
+    run_time_ = start_ == Clock::time_point() ? std::chrono::nanoseconds(0) : Clock::now() - start_;
     {
       std::lock_guard<std::mutex> lock(mu_);
       error_ = std::move(error);
@@ -100,6 +104,8 @@ class WorkImpl final : public Work {
   std::string what_;
   InlineRunner* runner_;  // the group's; a Work that is still queued implies the group is alive
   std::atomic<int> state_{0};  // 0 running, 1 done, 2 failed
+  Clock::time_point start_{};
+  std::chrono::nanoseconds run_time_{0};
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::exception_ptr error_;
@@ -187,6 +193,7 @@ struct ProcessGroup::Impl final : InlineRunner {
       return;
     }
     try {
+      task.work->started();
       transport->begin(task.call, net::deadline_after(opts.timeout));
       task.run(*task.work, task.call);
       task.work->finish(nullptr);

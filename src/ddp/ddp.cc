@@ -206,11 +206,16 @@ struct Reducer::Impl {
     }
     launch_ready();
     const auto wait_start = Clock::now();
+    double comm_ms = 0;
     for (auto& b : buckets) {
-      if (b.work) b.work->wait();
+      if (b.work) {
+        b.work->wait();
+        comm_ms += std::chrono::duration<double, std::milli>(b.work->run_time()).count();
+      }
       b.work.reset();
     }
     stats.comm_wait_ms = ms_since(wait_start);
+    stats.comm_ms = comm_ms;
     for (auto& b : buckets) {
       if (b.wire.defined()) b.flat.copy_(b.wire);
       for (size_t k = 0; k < b.params.size(); ++k) {

@@ -36,6 +36,7 @@ class TensorWork final : public Work {
   }
   std::exception_ptr exception() const override { return inner_->exception(); }
   const std::vector<std::string>& objects() const override { return inner_->objects(); }
+  std::chrono::nanoseconds run_time() const override { return inner_->run_time(); }
 
  private:
   void complete() {

@@ -25,6 +25,7 @@
 #include <filesystem>
 #include <iostream>
 #include <mutex>
+#include <set>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <utility>
@@ -232,10 +233,11 @@ void load_model(const std::string& bytes, torch::nn::Module& model) {
       mismatched.push_back(os.str());
     }
   }
+  std::set<std::string> known;
+  for (const auto& t : targets) known.insert(t.name);
   std::vector<std::string> unexpected;
   for (const auto& [name, tensor] : saved) {
-    bool known = std::any_of(targets.begin(), targets.end(), [&](const NamedTensor& t) { return t.name == name; });
-    if (!known) unexpected.push_back(name);
+    if (known.count(name) == 0) unexpected.push_back(name);
   }
   if (!missing.empty() || !unexpected.empty() || !mismatched.empty()) {
     std::string msg = "the checkpoint's model does not match this model:";
@@ -387,7 +389,7 @@ void write_version(const std::string& dir, torch::nn::Module& model, torch::opti
   if (::mkdir(tmp.c_str(), 0755) != 0) throw CheckpointError(sys_error("cannot create", tmp));
 
   auto hook = [&](const std::string& stage) {
-    if (options.on_file_written) options.on_file_written(stage);
+    if (options.on_save_step) options.on_save_step(stage);
   };
   json files = json::object();
   auto write = [&](const char* file, const std::string& bytes) {

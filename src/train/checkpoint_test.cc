@@ -416,13 +416,17 @@ std::string read_some(int fd, int timeout_ms, bool wait_eof) {
   return out;
 }
 
-// Waits for a child that should exit by itself; returns its output, "" meaning success.
-std::string finish(Child c) {
+// Waits for a child that should exit by itself; returns "" when it succeeded (its output then goes
+// to *output), else its error.
+std::string finish(Child c, std::string* output = nullptr) {
   std::string out = read_some(c.fd, 60000, true);
   ::close(c.fd);
   int status = 0;
   ::waitpid(c.pid, &status, 0);
-  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) return "";
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
+    if (output) *output = out;
+    return "";
+  }
   return out.empty() ? "child failed with status " + std::to_string(status) : out;
 }
 
@@ -454,7 +458,7 @@ TEST_F(CheckpointTest, WriterKilledAtEveryStepLeavesLastGoodCheckpoint) {
     Child writer = fork_child([&](int fd) {
       save_filled(dir, 1);
       CheckpointOptions o;
-      o.on_file_written = [&](const std::string& s) {
+      o.on_save_step = [&](const std::string& s) {
         if (s != stage) return;
         ssize_t ignored = ::write(fd, "!", 1);
         (void)ignored;
@@ -484,7 +488,7 @@ TEST_F(CheckpointTest, WriterKilledAtEveryStepLeavesLastGoodCheckpoint) {
 TEST_F(CheckpointTest, WriterKilledAtRandomTimes) {
   const std::string dir = path("random-kill");
   std::mt19937 rng(12345);
-  int64_t last_done = 0;  // the last save known to have returned
+  int64_t current = 0;  // the version known to be current (0: none yet)
   for (int round = 0; round < 12; ++round) {
     const int64_t base = (round + 1) * 1000;
     Child writer = fork_child([&](int fd) {
@@ -503,18 +507,23 @@ TEST_F(CheckpointTest, WriterKilledAtRandomTimes) {
     std::string done = read_some(writer.fd, 1000, true);
     ::close(writer.fd);
     std::istringstream in(done);
-    for (int64_t v; in >> v;) last_done = v;
-    // The killed save may or may not have made its version current: either it or the last
-    // completed one loads, intact.
-    const int64_t killed = last_done > base ? last_done + 1 : base + 1;
-    EXPECT_EQ(finish(fork_child([&](int) {
-      if (last_done == 0 && !latest_checkpoint(dir)) return;  // killed before any save finished
+    for (int64_t v; in >> v;) current = v;
+    // The killed save may or may not have made its version current: either it or the one current
+    // before it loads, intact.
+    const int64_t killed = current > base ? current + 1 : base + 1;
+    std::string loaded;
+    ASSERT_EQ(finish(fork_child([&](int fd) {
+      if (current == 0 && !latest_checkpoint(dir)) return;  // killed before any save finished
       int64_t got = load_filled(dir);
-      require(got == last_done || got == killed, "loaded step " + std::to_string(got) + ", last completed " +
-                                                     std::to_string(last_done) + ", killed " + std::to_string(killed));
-    })), "") << "round " << round;
+      require(got == current || got == killed, "loaded step " + std::to_string(got) + ", current was " +
+                                                   std::to_string(current) + ", killed " + std::to_string(killed));
+      std::string text = std::to_string(got);
+      ssize_t ignored = ::write(fd, text.data(), text.size());
+      (void)ignored;
+    }), &loaded), "") << "round " << round;
+    if (!loaded.empty()) current = std::stoll(loaded);
   }
-  EXPECT_GT(last_done, 0) << "no save ever completed: the kill delays are too short for this machine";
+  EXPECT_GT(current, 0) << "no save ever completed: the kill delays are too short for this machine";
 }
 
 // ---- resume -------------------------------------------------------------------------------------

@@ -56,6 +56,8 @@ class Work {
   virtual void wait() = 0;
   virtual void wait(std::chrono::milliseconds timeout) = 0;
   virtual std::exception_ptr exception() const = 0;
+  // How long the operation ran (from its start on the worker or inline to its end); 0 until done.
+  virtual std::chrono::nanoseconds run_time() const = 0;
   // Results of the object collectives (all_gather_object: one per rank; broadcast_object: one).
   virtual const std::vector<std::string>& objects() const = 0;
 };

@@ -24,6 +24,7 @@
 
 #include <torch/nn/module.h>
 
+#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -57,7 +58,10 @@ struct Stats {
   int64_t gradient_bytes = 0;      // bytes of gradients synchronised per step
   int64_t bucket_bytes = 0;        // bytes held in bucket buffers (the extra gradient copy)
   double backward_ms = 0;          // from the first gradient hook to the end of backward
-  double comm_wait_ms = 0;         // time the end of backward waited for allreduces
+  double comm_ms = 0;              // time the bucket allreduces ran, in total
+  double comm_wait_ms = 0;         // time the end of backward waited for them: the exposed part
+  // Share of the allreduce time hidden behind backward: 1 - comm_wait_ms / comm_ms.
+  double hidden_fraction() const { return comm_ms > 0 ? std::max(0.0, 1.0 - comm_wait_ms / comm_ms) : 1.0; }
 };
 
 // The libtorch-independent part of DDP: the reducer over a module's parameters.

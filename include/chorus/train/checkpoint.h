@@ -74,7 +74,7 @@ struct CheckpointOptions {
   // ("model.pt", "optimizer.pt", "rng.pt", "state.json") once that file is written and synced in
   // the temporary directory; with "version" once the directory has been renamed into place, just
   // before `latest` is replaced; with "latest" once it has been.
-  std::function<void(const std::string& file)> on_file_written;
+  std::function<void(const std::string& step)> on_save_step;
 };
 
 class CheckpointError : public Error {
