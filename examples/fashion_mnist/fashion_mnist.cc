@@ -57,6 +57,7 @@ struct Config {
   std::string sync = "on";
   std::string compression = "none";
   double bucket_cap_mb = 25.0;
+  bool bucket_view = false;
   int64_t eval_limit = 0;  // 0: the whole test set
   int64_t log_every = 50;
 };
@@ -181,6 +182,7 @@ void run_rank(const Config& cfg) {
   std::shared_ptr<Classifier> model = make_model(cfg.model);
   chorus::ddp::Options ddp_options;
   ddp_options.bucket_cap_mb = cfg.bucket_cap_mb;
+  ddp_options.gradient_as_bucket_view = cfg.bucket_view;
   ddp_options.compression = parse_compression(cfg.compression);
   chorus::ddp::DistributedDataParallel<Classifier> ddp(model, ddp_options);
   torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(cfg.lr).momentum(cfg.momentum));
@@ -318,6 +320,7 @@ void run_rank(const Config& cfg) {
         {"sync", sync},
         {"compression", cfg.compression},
         {"bucket_cap_mb", cfg.bucket_cap_mb},
+        {"gradient_as_bucket_view", cfg.bucket_view},
         {"samples", samples},
         {"samples_per_s", samples_per_s},
         {"train_seconds", train_seconds},
@@ -376,6 +379,7 @@ int main(int argc, char** argv) {
   app.add_flag_callback("--no-sync", [&] { cfg.sync = "off"; }, "same as --sync off");
   app.add_option("--compression", cfg.compression, "gradient compression for the allreduce")
       ->check(CLI::IsMember({"none", "fp16", "bf16"}))->capture_default_str();
+  app.add_flag("--gradient-as-bucket-view", cfg.bucket_view, "gradients live in the DDP buckets (no copy)");
   app.add_option("--bucket-cap-mb", cfg.bucket_cap_mb, "DDP bucket size")->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--eval-limit", cfg.eval_limit, "evaluate on the first N test items only (0: all)")
