@@ -19,9 +19,9 @@ configure: $(BUILD_DIR)/build.ninja
 build: deps configure
 	cmake --build $(BUILD_DIR)
 
-# The main job: Fashion-MNIST, 2 ranks, one epoch, exact test accuracy at the end.
+# The main job: Fashion-MNIST, 2 ranks started by `chorus run`, one epoch, exact test accuracy at the end.
 run: build
-	$(BUILD_DIR)/bin/fashion_mnist --nproc 2 --epochs 1
+	$(BUILD_DIR)/bin/chorus run -n 2 $(BUILD_DIR)/bin/fashion_mnist --epochs 1
 
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure --timeout 300 $(CTEST_FLAGS)

@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "chorus/comm/signals.h"
 #include "chorus/comm/spawn.h"
 #include "chorus/data/evaluation.h"
 #include "chorus/data/sampler.h"
@@ -60,6 +61,8 @@ struct Config {
   bool bucket_view = false;
   int64_t eval_limit = 0;  // 0: the whole test set
   int64_t log_every = 50;
+  int64_t checkpoint_every = 0;  // also checkpoint every N steps (0: per epoch only)
+  int64_t fail_at_step = 0;      // test hook: the last rank throws after this step in the first attempt
 };
 
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
@@ -234,6 +237,10 @@ void run_rank(const Config& cfg) {
 
   const bool sync = cfg.sync == "on";
   const int64_t first_step = step;
+  const char* attempt_env = std::getenv("CHORUS_RESTART_COUNT");
+  const bool first_attempt = attempt_env == nullptr || std::string(attempt_env) == "0";
+  bool stopped_by_signal = false;
+  chorus::watch_signals();
   double train_seconds = 0, loss_sum = 0, comm_wait_ms = 0, comm_ms = 0, last_loss = 0;
   int64_t samples = 0;
   std::vector<double> step_ms;
@@ -276,7 +283,25 @@ void run_rank(const Config& cfg) {
       }
       progress.step(epoch, cfg.epochs, step, planned, l, static_cast<double>(samples) / train_seconds,
                     train_seconds / static_cast<double>(step - first_step));
+      if (cfg.fail_at_step > 0 && step == cfg.fail_at_step && rank == world - 1 && first_attempt) {
+        throw std::runtime_error("injected failure after step " + std::to_string(step) + " (--fail-at-step)");
+      }
+      if (cfg.checkpoint_every > 0 && step % cfg.checkpoint_every == 0 && b + 1 < steps_per_epoch) save(epoch, b + 1);
+      // A forwarded SIGTERM/SIGUSR1 (e.g. Slurm's preemption notice) reaches the ranks at slightly
+      // different steps: agree on it with a one-element allreduce, then all save and stop together.
+      if (world > 1 || chorus::pending_signal() != 0) {
+        at::Tensor sig = at::tensor({static_cast<int64_t>(chorus::pending_signal())}, at::kLong);
+        if (world > 1) dist::all_reduce(sig, chorus::ReduceOp::kMax);
+        if (sig.item<int64_t>() != 0) {
+          save(epoch, b + 1);
+          progress.line("stopping at step " + std::to_string(step) + " on signal " + std::to_string(sig.item<int64_t>()) +
+                        (cfg.no_checkpoint ? "" : "; checkpoint saved, --resume continues from it"));
+          stopped_by_signal = true;
+          break;
+        }
+      }
     }
+    if (stopped_by_signal) break;
     if (b < steps_per_epoch) {  // stopped by --max-steps inside the epoch
       last_eval = evaluate(*model, test, eval_n);
       save(epoch, b);
@@ -382,6 +407,11 @@ int main(int argc, char** argv) {
   app.add_flag("--gradient-as-bucket-view", cfg.bucket_view, "gradients live in the DDP buckets (no copy)");
   app.add_option("--bucket-cap-mb", cfg.bucket_cap_mb, "DDP bucket size")->check(CLI::PositiveNumber)
       ->capture_default_str();
+  app.add_option("--checkpoint-every", cfg.checkpoint_every, "also checkpoint every N steps (0: per epoch only)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--fail-at-step", cfg.fail_at_step,
+                 "testing: the last rank throws after this step, in the first attempt only (CHORUS_RESTART_COUNT 0)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--eval-limit", cfg.eval_limit, "evaluate on the first N test items only (0: all)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--log-every", cfg.log_every, "progress line every N steps when stdout is not a terminal")

@@ -1,0 +1,33 @@
+// Seeing preemption and shutdown signals from the training loop.
+//
+// Slurm sends SIGUSR1 or SIGTERM before it preempts a job, and `chorus run` forwards SIGINT,
+// SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 to every worker. watch_signals() installs handlers that only
+// record the signal (async-signal-safe); the loop polls pending_signal() between steps and, for
+// example, writes a final checkpoint and exits:
+//
+//   chorus::watch_signals();
+//   for (...) {
+//     train_step();
+//     if (int sig = chorus::pending_signal()) { save_checkpoint(...); return 0; }
+//   }
+#pragma once
+
+#include <initializer_list>
+
+namespace chorus {
+
+// Installs recording handlers for the given signals (default: SIGINT, SIGTERM, SIGHUP, SIGUSR1,
+// SIGUSR2). Idempotent.
+void watch_signals();
+void watch_signals(std::initializer_list<int> signals);
+// The most recent watched signal received, or 0. Does not clear it.
+int pending_signal();
+// Clears the recorded signal (e.g. after handling a SIGUSR1 that asked only for a checkpoint).
+void clear_pending_signal();
+
+// Called when chorus_comm is loaded and CHORUS_ERROR_FILE is set (chorus run sets it): an uncaught
+// exception then writes its message to that file as JSON before the process aborts, so the
+// launcher's report can show it. Also callable by hand with an explicit path.
+void install_error_file_handler(const char* path);
+
+}  // namespace chorus

@@ -1,0 +1,44 @@
+// `chorus run`: start a job's worker processes on this node and watch them.
+//
+// One launcher runs per node. On one node it hosts the rendezvous store itself on a port the
+// kernel picks; across nodes, node 0's launcher hosts it at --rdzv-endpoint and the others join.
+// Workers get the environment torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+// GROUP_RANK, MASTER_ADDR, MASTER_PORT) plus CHORUS_RESTART_COUNT, CHORUS_JOB_TOKEN,
+// CHORUS_STORE_EXTERNAL, CHORUS_STORE_PREFIX (one key space per attempt) and CHORUS_ERROR_FILE.
+//
+// Failure: when a worker exits non-zero or by a signal, the others get SIGTERM, then SIGKILL after
+// the grace period, on every node; the launcher restarts the whole group up to max_restarts times,
+// else exits non-zero with a root-cause report (first failed rank, host, exit code or signal, the
+// worker's error message from its error file). SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 sent
+// to the launcher are forwarded to every worker.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace chorus::launch {
+
+struct LaunchOptions {
+  std::string nproc_per_node = "1";  // a number or "auto" (one per core)
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string rdzv_endpoint;         // HOST:PORT of node 0's store (required with nnodes > 1)
+  std::string master_addr;           // alternative to rdzv_endpoint: address ...
+  int master_port = -1;              // ... and port
+  int max_restarts = 0;
+  std::string log_dir;               // one log per rank: <log_dir>/rank_<N>.log
+  bool tee = false;                  // prefix each output line with "[rank N] " (and log it)
+  double grace_period_s = 5.0;       // SIGTERM to SIGKILL
+  double rdzv_timeout_s = 60.0;      // waiting for the store and for the other nodes
+  std::string token;                 // job token; default CHORUS_JOB_TOKEN, else fresh (one node)
+  std::vector<std::string> program;  // the program and its arguments
+};
+
+// Runs the job; returns the launcher's exit code (0 on success). Throws UsageError for bad
+// options, TimeoutError when the rendezvous endpoint cannot be reached in time.
+int run(const LaunchOptions& options);
+
+// Parses "HOST:PORT" ("[v6]:PORT" too); throws UsageError naming the text otherwise.
+void parse_endpoint(const std::string& text, std::string* host, int* port);
+
+}  // namespace chorus::launch

@@ -1,0 +1,109 @@
+#include "chorus/comm/signals.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <exception>
+#include <string>
+#include <typeinfo>
+
+namespace chorus {
+namespace {
+
+std::atomic<int> g_pending{0};
+
+void record(int sig) { g_pending.store(sig, std::memory_order_relaxed); }
+
+std::string g_error_file;
+std::terminate_handler g_previous = nullptr;
+
+std::string json_escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+          out += buf;
+        } else {
+          out += c;
+        }
+    }
+  }
+  return out;
+}
+
+[[noreturn]] void on_terminate() {
+  std::string type = "unknown";
+  std::string message = "std::terminate called without an active exception";
+  if (std::exception_ptr e = std::current_exception()) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const std::exception& ex) {
+      type = typeid(ex).name();
+      message = ex.what();
+    } catch (...) {
+      message = "an exception not derived from std::exception";
+    }
+  }
+  if (!g_error_file.empty()) {
+    std::string tmp = g_error_file + ".tmp";
+    if (FILE* f = std::fopen(tmp.c_str(), "w")) {
+      const char* rank = std::getenv("RANK");
+      std::fprintf(f, "{\"message\": \"%s\", \"type\": \"%s\", \"rank\": %s, \"pid\": %d, \"time\": %lld}\n",
+                   json_escape(message).c_str(), json_escape(type).c_str(), rank ? rank : "null",
+                   static_cast<int>(::getpid()), static_cast<long long>(std::time(nullptr)));
+      std::fclose(f);
+      std::rename(tmp.c_str(), g_error_file.c_str());
+    }
+  }
+  std::fprintf(stderr, "chorus: uncaught exception: %s\n", message.c_str());
+  if (g_previous != nullptr && g_previous != on_terminate) g_previous();
+  std::abort();
+}
+
+// chorus run tells its workers where to write; installing at load time covers exceptions thrown
+// before (or without) any chorus call.
+struct InstallFromEnvironment {
+  InstallFromEnvironment() {
+    if (const char* path = std::getenv("CHORUS_ERROR_FILE"); path != nullptr && *path != '\0') {
+      install_error_file_handler(path);
+    }
+  }
+} g_install_from_environment;
+
+}  // namespace
+
+void watch_signals() { watch_signals({SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2}); }
+
+void watch_signals(std::initializer_list<int> signals) {
+  for (int sig : signals) {
+    struct sigaction sa {};
+    sa.sa_handler = record;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART;
+    ::sigaction(sig, &sa, nullptr);
+  }
+}
+
+int pending_signal() { return g_pending.load(std::memory_order_relaxed); }
+void clear_pending_signal() { g_pending.store(0, std::memory_order_relaxed); }
+
+void install_error_file_handler(const char* path) {
+  g_error_file = path;
+  std::terminate_handler prev = std::set_terminate(on_terminate);
+  if (prev != on_terminate) g_previous = prev;
+}
+
+}  // namespace chorus

@@ -1,0 +1,187 @@
+#!/usr/bin/python3
+"""Tests of `chorus run` with real processes: the worker environment, the root-cause report (a
+worker that throws, one that exits 7, one that is SIGKILLed), restarts with resume, signal
+forwarding, bad options, an unreachable endpoint, and two nodes meeting at one endpoint.
+
+Every run is bounded by a timeout; every temporary directory is removed."""
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+ARGS = None
+
+
+def run(cmd, timeout=60, **kw):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LaunchTest(unittest.TestCase):
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory(prefix="chorus-launch-test-")
+        self.dir = self.tmp.name
+
+    def tearDown(self):
+        self.tmp.cleanup()
+
+    def chorus(self, *args, timeout=60):
+        return run([ARGS.chorus, "run", *args], timeout=timeout)
+
+    def test_environment_matches_torchrun_and_groups_connect(self):
+        r = self.chorus("-n", "3", ARGS.probe, "env", self.dir)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        envs = []
+        for rank in range(3):
+            with open(os.path.join(self.dir, "rank_%d.env" % rank)) as f:
+                envs.append(dict(line.strip().split("=", 1) for line in f if "=" in line))
+        ports = {e["MASTER_PORT"] for e in envs}
+        tokens = {e["CHORUS_JOB_TOKEN"] for e in envs}
+        self.assertEqual(len(ports), 1)
+        self.assertEqual(len(tokens), 1)
+        self.assertGreater(len(tokens.pop()), 16)
+        for rank, e in enumerate(envs):
+            self.assertEqual(e["RANK"], str(rank))
+            self.assertEqual(e["LOCAL_RANK"], str(rank))
+            self.assertEqual(e["WORLD_SIZE"], "3")
+            self.assertEqual(e["LOCAL_WORLD_SIZE"], "3")
+            self.assertEqual(e["GROUP_RANK"], "0")
+            self.assertEqual(e["MASTER_ADDR"], "127.0.0.1")
+            self.assertEqual(e["CHORUS_RESTART_COUNT"], "0")
+        self.assertIn("allreduce gave 3", r.stdout)
+        # Two jobs at once never collide: each launcher's store has its own kernel-picked port.
+        d2 = os.path.join(self.dir, "second")
+        os.mkdir(d2)
+        r2 = self.chorus("-n", "2", ARGS.probe, "env", d2)
+        self.assertEqual(r2.returncode, 0, r2.stderr)
+
+    def test_report_names_the_worker_that_threw_with_its_message(self):
+        r = self.chorus("-n", "3", "--tee", ARGS.probe, "throw", "bad batch at step 7")
+        self.assertEqual(r.returncode, 1)
+        self.assertIn("root cause: rank 1", r.stderr)
+        self.assertIn("SIGABRT", r.stderr)
+        self.assertIn("message: bad batch at step 7", r.stderr)
+        self.assertIn("[rank 1]", r.stdout)
+
+    def test_report_names_exit_code_and_log(self):
+        logs = os.path.join(self.dir, "logs")
+        r = self.chorus("-n", "2", "--log-dir", logs, "--grace-period", "1", ARGS.probe, "exit", "7")
+        self.assertEqual(r.returncode, 1)
+        self.assertIn("root cause: rank 1", r.stderr)
+        self.assertIn("exit code 7", r.stderr)
+        self.assertIn(os.path.join(logs, "rank_1.log"), r.stderr)
+        self.assertTrue(os.path.exists(os.path.join(logs, "rank_0.log")))
+
+    def test_report_names_the_signal_of_a_killed_worker(self):
+        t0 = time.monotonic()
+        r = self.chorus("-n", "3", "--grace-period", "1", ARGS.probe, "sigkill")
+        self.assertEqual(r.returncode, 1)
+        self.assertIn("root cause: rank 1", r.stderr)
+        self.assertIn("killed by SIGKILL", r.stderr)
+        self.assertLess(time.monotonic() - t0, 20)
+
+    def test_restart_resumes_the_training_job_from_its_checkpoint(self):
+        ckpt = os.path.join(self.dir, "ckpt")
+        metrics = os.path.join(self.dir, "m.json")
+        r = self.chorus("-n", "2", "--max-restarts", "2", ARGS.fashion_mnist, "--max-steps", "30",
+                        "--checkpoint-every", "10", "--fail-at-step", "15", "--resume", "--checkpoint-dir", ckpt,
+                        "--eval-limit", "200", "--metrics-json", metrics, timeout=240)
+        self.assertEqual(r.returncode, 0, r.stderr[-2000:])
+        self.assertIn("restarting the group (1 of 2 restarts)", r.stderr)
+        self.assertIn("injected failure after step 15", r.stderr)
+        with open(metrics) as f:
+            m = json.load(f)
+        self.assertEqual(m["resumed_from_step"], 10)
+        self.assertEqual(m["total_steps"], 30)
+        self.assertEqual(m["world_size"], 2)
+
+    def test_signals_reach_every_worker(self):
+        for sig, expected_rc in ((signal.SIGUSR1, 0), (signal.SIGTERM, 128 + signal.SIGTERM)):
+            d = os.path.join(self.dir, "sig%d" % sig)
+            os.mkdir(d)
+            p = subprocess.Popen([ARGS.chorus, "run", "-n", "2", ARGS.probe, "wait-signal", d],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                deadline = time.monotonic() + 30
+                while not all(os.path.exists(os.path.join(d, "rank_%d.ready" % r)) for r in range(2)):
+                    self.assertLess(time.monotonic(), deadline, "workers never got ready")
+                    time.sleep(0.02)
+                p.send_signal(sig)
+                _, err = p.communicate(timeout=30)
+            finally:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            self.assertEqual(p.returncode, expected_rc, err)
+            for r in range(2):
+                with open(os.path.join(d, "rank_%d.signal" % r)) as f:
+                    self.assertEqual(int(f.read()), int(sig))
+
+    def test_bad_input_gets_a_clear_message_and_nonzero_exit(self):
+        cases = [
+            (["--no-such-option", ARGS.probe], "unknown option"),
+            (["-n", "0", ARGS.probe], "at least 1"),
+            (["-n", "two", ARGS.probe], "number or 'auto'"),
+            (["/no/such/program"], "not found or not executable"),
+            ([], "no program"),
+            (["--nnodes", "2", ARGS.probe], "--rdzv-endpoint"),
+            (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:1", ARGS.probe], "outside"),
+            (["--rdzv-endpoint", "nohostport", ARGS.probe], "HOST:PORT"),
+        ]
+        for args, needle in cases:
+            r = self.chorus(*args)
+            self.assertNotEqual(r.returncode, 0, args)
+            self.assertIn(needle, r.stderr + r.stdout, args)
+
+    def test_unreachable_endpoint_times_out_naming_it(self):
+        port = free_port()  # nothing listens there
+        t0 = time.monotonic()
+        r = self.chorus("--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "127.0.0.1:%d" % port,
+                        "--rdzv-timeout", "1", ARGS.probe, "env", self.dir)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("127.0.0.1:%d" % port, r.stderr)
+        self.assertLess(time.monotonic() - t0, 15)
+
+    def test_two_nodes_meet_at_one_endpoint(self):
+        port = free_port()
+        cmd = lambda node: [ARGS.chorus, "run", "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint",
+                            "127.0.0.1:%d" % port, "-n", "2", ARGS.probe, "env", self.dir]
+        procs = [subprocess.Popen(cmd(n), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in (0, 1)]
+        outs = []
+        try:
+            for p in procs:
+                outs.append(p.communicate(timeout=60))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        for p, (out, err) in zip(procs, outs):
+            self.assertEqual(p.returncode, 0, err)
+        ranks = {}
+        for r in range(4):
+            with open(os.path.join(self.dir, "rank_%d.env" % r)) as f:
+                ranks[r] = dict(line.strip().split("=", 1) for line in f if "=" in line)
+        self.assertEqual([ranks[r]["GROUP_RANK"] for r in range(4)], ["0", "0", "1", "1"])
+        self.assertEqual({ranks[r]["WORLD_SIZE"] for r in range(4)}, {"4"})
+        self.assertEqual([ranks[r]["LOCAL_RANK"] for r in range(4)], ["0", "1", "0", "1"])
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--chorus", required=True)
+    ap.add_argument("--probe", required=True)
+    ap.add_argument("--fashion-mnist", required=True)
+    ARGS, rest = ap.parse_known_args()
+    unittest.main(argv=[sys.argv[0]] + rest, verbosity=2)

@@ -1,0 +1,561 @@
+#include "chorus/launch/launcher.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
+
+#include "chorus/comm/error.h"
+#include "chorus/comm/spawn.h"
+#include "chorus/comm/tcp_store.h"
+
+extern char** environ;
+
+namespace chorus::launch {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+namespace fs = std::filesystem;
+
+constexpr int kForwarded[] = {SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2};
+int g_signal_pipe[2] = {-1, -1};
+
+void on_signal(int sig) {
+  unsigned char b = static_cast<unsigned char>(sig);
+  ssize_t ignored = ::write(g_signal_pipe[1], &b, 1);
+  (void)ignored;
+}
+
+std::string signal_name(int sig) {
+  const char* abbrev = sigabbrev_np(sig);
+  return abbrev ? std::string("SIG") + abbrev : "signal " + std::to_string(sig);
+}
+
+std::string host_name() {
+  char buf[256] = {0};
+  ::gethostname(buf, sizeof(buf) - 1);
+  return buf;
+}
+
+// The program as exec will find it, or "" if it cannot be run.
+std::string resolve_program(const std::string& prog) {
+  if (prog.find('/') != std::string::npos) return ::access(prog.c_str(), X_OK) == 0 ? prog : "";
+  const char* path = std::getenv("PATH");
+  std::stringstream dirs(path ? path : "/usr/bin:/bin");
+  for (std::string dir; std::getline(dirs, dir, ':');) {
+    std::string candidate = (dir.empty() ? "." : dir) + "/" + prog;
+    struct stat st {};
+    if (::stat(candidate.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::access(candidate.c_str(), X_OK) == 0) {
+      return candidate;
+    }
+  }
+  return "";
+}
+
+std::string read_error_message(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return "";
+  try {
+    nlohmann::json j;
+    in >> j;
+    return j.value("message", "");
+  } catch (...) {
+    return "";
+  }
+}
+
+struct Worker {
+  int local_rank = 0;
+  int rank = 0;
+  pid_t pid = -1;
+  int pidfd = -1;
+  int out_fd = -1;  // read end of the output pipe with --tee
+  std::string partial;
+  std::unique_ptr<std::ofstream> log;  // with --tee and --log-dir
+  bool exited = false;
+  int status = 0;
+  std::string error_file;
+  std::string log_path;
+};
+
+struct Failure {
+  bool happened = false;
+  std::string report;  // "rank 3 (local rank 1 on host h, pid 42): exit code 7\n  message: ..."
+};
+
+class Agent {
+ public:
+  explicit Agent(const LaunchOptions& o) : o_(o) {}
+
+  int run() {
+    validate();
+    rendezvous();
+    for (int attempt = 0;; ++attempt) {
+      Failure f = run_attempt(attempt);
+      if (stop_signal_ != 0) {
+        std::fprintf(stderr, "chorus run: stopped by %s after forwarding it to the workers\n",
+                     signal_name(stop_signal_).c_str());
+        return 128 + stop_signal_;
+      }
+      if (!f.happened) {
+        finish_ok();
+        return 0;
+      }
+      if (attempt < o_.max_restarts) {
+        std::fprintf(stderr, "chorus run: attempt %d failed: %s\nchorus run: restarting the group (%d of %d restarts)\n",
+                     attempt + 1, f.report.c_str(), attempt + 1, o_.max_restarts);
+        continue;
+      }
+      std::fprintf(stderr,
+                   "chorus run: FAILED (%d of %d restarts used)\n  root cause: %s\n", attempt, o_.max_restarts,
+                   f.report.c_str());
+      return 1;
+    }
+  }
+
+ private:
+  void validate() {
+    if (o_.program.empty()) throw UsageError("chorus run: no program given; usage: chorus run [options] PROGRAM [ARGS...]");
+    if (o_.program[0].size() > 1 && o_.program[0][0] == '-') {
+      throw UsageError("chorus run: unknown option '" + o_.program[0] + "' (options go before PROGRAM; see chorus run --help)");
+    }
+    program_path_ = resolve_program(o_.program[0]);
+    if (program_path_.empty()) {
+      throw UsageError("chorus run: cannot run '" + o_.program[0] + "': not found or not executable" +
+                       (o_.program[0].find('/') == std::string::npos ? " (searched PATH)" : ""));
+    }
+    if (o_.nproc_per_node == "auto") {
+      nproc_ = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    } else {
+      try {
+        size_t pos = 0;
+        nproc_ = std::stoi(o_.nproc_per_node, &pos);
+        if (pos != o_.nproc_per_node.size()) throw std::invalid_argument("");
+      } catch (...) {
+        throw UsageError("chorus run: --nproc-per-node must be a number or 'auto', got '" + o_.nproc_per_node + "'");
+      }
+    }
+    if (nproc_ < 1) throw UsageError("chorus run: --nproc-per-node must be at least 1, got " + std::to_string(nproc_));
+    if (o_.nnodes < 1) throw UsageError("chorus run: --nnodes must be at least 1");
+    if (o_.node_rank < 0 || o_.node_rank >= o_.nnodes) {
+      throw UsageError("chorus run: --node-rank " + std::to_string(o_.node_rank) + " is outside [0, " +
+                       std::to_string(o_.nnodes) + ")");
+    }
+    if (o_.max_restarts < 0) throw UsageError("chorus run: --max-restarts must be >= 0");
+    if (!o_.rdzv_endpoint.empty()) {
+      parse_endpoint(o_.rdzv_endpoint, &master_addr_, &master_port_);
+    } else if (!o_.master_addr.empty() || o_.master_port >= 0) {
+      if (o_.master_addr.empty() || o_.master_port < 0) {
+        throw UsageError("chorus run: give both --master-addr and --master-port (or --rdzv-endpoint HOST:PORT)");
+      }
+      master_addr_ = o_.master_addr;
+      master_port_ = o_.master_port;
+    } else if (o_.nnodes > 1) {
+      throw UsageError("chorus run: --nnodes " + std::to_string(o_.nnodes) +
+                       " needs --rdzv-endpoint HOST:PORT (node 0's address and a free port)");
+    }
+    if (!o_.log_dir.empty()) {
+      std::error_code ec;
+      fs::create_directories(o_.log_dir, ec);
+      if (ec) throw UsageError("chorus run: cannot create --log-dir " + o_.log_dir + ": " + ec.message());
+    }
+    char tmpl[] = "/tmp/chorus-run-XXXXXX";
+    if (::mkdtemp(tmpl) == nullptr) throw Error(std::string("chorus run: mkdtemp failed: ") + std::strerror(errno));
+    scratch_ = tmpl;
+  }
+
+  void rendezvous() {
+    token_ = o_.token;
+    if (token_.empty()) {
+      if (const char* t = std::getenv("CHORUS_JOB_TOKEN")) token_ = t;
+    }
+    if (token_.empty()) {
+      // One node: a fresh token. Several: every node must derive the same one without talking first.
+      token_ = o_.nnodes == 1 ? random_token() : "chorus-endpoint-" + master_addr_ + ":" + std::to_string(master_port_);
+    }
+    const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(o_.rdzv_timeout_s * 1000));
+    if (o_.node_rank == 0) {
+      TcpStoreServerOptions so;
+      so.host = o_.nnodes == 1 && master_addr_.empty() ? "127.0.0.1" : "";
+      so.port = master_port_ >= 0 ? master_port_ : 0;
+      so.token = token_;
+      server_ = std::make_unique<TcpStoreServer>(so);
+      if (master_addr_.empty()) master_addr_ = "127.0.0.1";
+      master_port_ = server_->port();
+    }
+    TcpStoreOptions co;
+    co.host = master_addr_;
+    co.port = master_port_;
+    co.token = token_;
+    co.timeout = timeout;
+    try {
+      store_ = std::make_shared<TcpStore>(co);
+    } catch (const TimeoutError& e) {
+      throw TimeoutError("chorus run: node " + std::to_string(o_.node_rank) +
+                         " could not reach the rendezvous endpoint " + master_addr_ + ":" +
+                         std::to_string(master_port_) + " within " + std::to_string(o_.rdzv_timeout_s) +
+                         " s; is node 0's launcher running and the address reachable? (" + e.what() + ")");
+    }
+    // Claim the node rank, publish this node's process count, learn everyone's.
+    const std::string me = host_name() + " pid " + std::to_string(::getpid());
+    std::string claimed = store_->compare_set("launch/node/" + std::to_string(o_.node_rank), "", me);
+    if (claimed != me) {
+      throw UsageError("chorus run: --node-rank " + std::to_string(o_.node_rank) + " is already taken by " + claimed +
+                       "; give every node its own --node-rank");
+    }
+    store_->set("launch/nproc/" + std::to_string(o_.node_rank), std::to_string(nproc_));
+    std::vector<std::string> keys;
+    for (int n = 0; n < o_.nnodes; ++n) keys.push_back("launch/nproc/" + std::to_string(n));
+    try {
+      store_->wait(keys, timeout);
+    } catch (const TimeoutError& e) {
+      throw TimeoutError("chorus run: not every node joined within " + std::to_string(o_.rdzv_timeout_s) +
+                         " s (" + e.what() + "); start one `chorus run` per node with its own --node-rank");
+    }
+    world_ = 0;
+    for (int n = 0; n < o_.nnodes; ++n) {
+      int count = std::stoi(store_->get(keys[static_cast<size_t>(n)]));
+      if (n < o_.node_rank) offset_ += count;
+      world_ += count;
+    }
+  }
+
+  void finish_ok() {
+    if (o_.nnodes == 1) return;
+    try {
+      store_->add("launch/done", 1);
+      if (o_.node_rank == 0) {
+        // Keep the store up until every node's workers are done (they report failures through it).
+        while (store_->add("launch/done", 0) < o_.nnodes) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+    } catch (const Error&) {
+      // Node 0 has finished and taken the store down; nothing is left to coordinate.
+    }
+  }
+
+  void wait_for_nodes(int attempt) {
+    if (o_.nnodes == 1 || attempt == 0) return;
+    const std::string key = "launch/attempt" + std::to_string(attempt) + "/ready";
+    store_->add(key, 1);
+    const auto deadline = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o_.rdzv_timeout_s * 1000));
+    while (store_->add(key, 0) < o_.nnodes) {
+      if (Clock::now() > deadline) throw TimeoutError("chorus run: nodes did not all come back for the restart");
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+
+  void start(Worker& w, int attempt) {
+    std::vector<std::string> env;
+    for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
+    auto put = [&](const std::string& k, const std::string& v) {
+      env.erase(std::remove_if(env.begin(), env.end(), [&](const std::string& s) { return s.rfind(k + "=", 0) == 0; }),
+                env.end());
+      env.push_back(k + "=" + v);
+    };
+    put("RANK", std::to_string(w.rank));
+    put("LOCAL_RANK", std::to_string(w.local_rank));
+    put("WORLD_SIZE", std::to_string(world_));
+    put("LOCAL_WORLD_SIZE", std::to_string(nproc_));
+    put("GROUP_RANK", std::to_string(o_.node_rank));
+    put("MASTER_ADDR", master_addr_);
+    put("MASTER_PORT", std::to_string(master_port_));
+    put("CHORUS_RESTART_COUNT", std::to_string(attempt));
+    put("TORCHELASTIC_RESTART_COUNT", std::to_string(attempt));
+    put("CHORUS_JOB_TOKEN", token_);
+    put("CHORUS_STORE_EXTERNAL", "1");
+    put("CHORUS_STORE_PREFIX", "attempt" + std::to_string(attempt));
+    put("CHORUS_ERROR_FILE", w.error_file);
+    ::unlink(w.error_file.c_str());
+
+    int pipefd[2] = {-1, -1};
+    if (o_.tee && ::pipe2(pipefd, O_CLOEXEC) != 0) throw Error(std::string("chorus run: pipe: ") + std::strerror(errno));
+    std::fflush(nullptr);
+    pid_t pid = ::fork();
+    if (pid < 0) throw Error(std::string("chorus run: fork: ") + std::strerror(errno));
+    if (pid == 0) {
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      for (int sig : kForwarded) ::signal(sig, SIG_DFL);
+      sigset_t none;
+      sigemptyset(&none);
+      ::sigprocmask(SIG_SETMASK, &none, nullptr);
+      if (o_.tee) {
+        ::dup2(pipefd[1], 1);
+        ::dup2(pipefd[1], 2);
+      } else if (!w.log_path.empty()) {
+        int fd = ::open(w.log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+        if (fd >= 0) {
+          ::dup2(fd, 1);
+          ::dup2(fd, 2);
+        }
+      }
+      std::vector<char*> argv, envp;
+      for (const auto& a : o_.program) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      for (auto& e : env) envp.push_back(e.data());
+      envp.push_back(nullptr);
+      ::execve(program_path_.c_str(), argv.data(), envp.data());
+      std::fprintf(stderr, "chorus run: cannot exec %s: %s\n", program_path_.c_str(), std::strerror(errno));
+      ::_exit(127);
+    }
+    w.pid = pid;
+    w.exited = false;
+    w.status = 0;
+    w.pidfd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+    if (o_.tee) {
+      ::close(pipefd[1]);
+      w.out_fd = pipefd[0];
+      ::fcntl(w.out_fd, F_SETFL, ::fcntl(w.out_fd, F_GETFL) | O_NONBLOCK);
+      if (!w.log_path.empty()) w.log = std::make_unique<std::ofstream>(w.log_path, std::ios::app);
+    }
+  }
+
+  // Copies a worker's output to ours, a line at a time, prefixed "[rank N] ".
+  void pump_output(Worker& w, bool flush_partial) {
+    if (w.out_fd < 0) return;
+    char buf[8192];
+    for (;;) {
+      ssize_t k = ::read(w.out_fd, buf, sizeof(buf));
+      if (k > 0) {
+        w.partial.append(buf, static_cast<size_t>(k));
+        continue;
+      }
+      if (k == 0) {
+        ::close(w.out_fd);
+        w.out_fd = -1;
+        flush_partial = true;
+      }
+      break;
+    }
+    size_t start = 0;
+    for (size_t nl; (nl = w.partial.find('\n', start)) != std::string::npos; start = nl + 1) {
+      emit(w, w.partial.substr(start, nl - start));
+    }
+    w.partial.erase(0, start);
+    if (flush_partial && !w.partial.empty()) {
+      emit(w, w.partial);
+      w.partial.clear();
+    }
+  }
+
+  void emit(Worker& w, const std::string& line) {
+    std::string out = "[rank " + std::to_string(w.rank) + "] " + line + "\n";
+    std::fwrite(out.data(), 1, out.size(), stdout);
+    std::fflush(stdout);
+    if (w.log) *w.log << line << "\n" << std::flush;
+  }
+
+  std::string describe_failure(const Worker& w) {
+    std::ostringstream out;
+    out << "rank " << w.rank << " (local rank " << w.local_rank << " on host " << host_name() << ", pid " << w.pid
+        << "): ";
+    if (WIFSIGNALED(w.status)) {
+      out << "killed by " << signal_name(WTERMSIG(w.status));
+    } else {
+      out << "exit code " << WEXITSTATUS(w.status);
+    }
+    std::string msg = read_error_message(w.error_file);
+    if (!msg.empty()) out << "\n  message: " << msg;
+    if (!w.log_path.empty()) out << "\n  log: " << w.log_path;
+    return out.str();
+  }
+
+  // The failed worker most likely to be the root cause: killed by a signal (none sent by us yet),
+  // then one whose own error is not a relayed "failed because rank N failed", then the lowest rank.
+  const Worker& root_cause(const std::vector<Worker>& ws) {
+    const Worker* best = nullptr;
+    int best_score = -1;
+    for (const auto& w : ws) {
+      if (!w.exited || (WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0)) continue;
+      int score = 1;
+      if (WIFSIGNALED(w.status)) {
+        score = 3;
+      } else if (read_error_message(w.error_file).find("failed because rank") == std::string::npos) {
+        score = 2;
+      }
+      if (score > best_score) {
+        best = &w;
+        best_score = score;
+      }
+    }
+    return *best;
+  }
+
+  void signal_all(std::vector<Worker>& ws, int sig) {
+    for (auto& w : ws) {
+      if (!w.exited && w.pid > 0) ::kill(w.pid, sig);
+    }
+  }
+
+  Failure run_attempt(int attempt) {
+    wait_for_nodes(attempt);
+    std::vector<Worker> ws(static_cast<size_t>(nproc_));
+    for (int i = 0; i < nproc_; ++i) {
+      Worker& w = ws[static_cast<size_t>(i)];
+      w.local_rank = i;
+      w.rank = offset_ + i;
+      w.error_file = scratch_ + "/error_rank" + std::to_string(w.rank) + ".json";
+      if (!o_.log_dir.empty()) w.log_path = o_.log_dir + "/rank_" + std::to_string(w.rank) + ".log";
+    }
+    for (auto& w : ws) start(w, attempt);
+
+    const std::string failed_key = "launch/attempt" + std::to_string(attempt) + "/failed";
+    Failure failure;
+    auto kill_at = Clock::time_point::max();
+    auto decide_at = Clock::time_point::max();
+    auto next_store_check = Clock::now();
+    size_t alive = ws.size();
+    while (alive > 0) {
+      std::vector<pollfd> pfds;
+      pfds.push_back({g_signal_pipe[0], POLLIN, 0});
+      for (auto& w : ws) {
+        if (!w.exited && w.pidfd >= 0) pfds.push_back({w.pidfd, POLLIN, 0});
+        if (w.out_fd >= 0) pfds.push_back({w.out_fd, POLLIN, 0});
+      }
+      ::poll(pfds.data(), pfds.size(), 100);
+
+      unsigned char sig = 0;
+      while (::read(g_signal_pipe[0], &sig, 1) == 1) {
+        signal_all(ws, sig);
+        if (sig != SIGUSR1 && sig != SIGUSR2 && stop_signal_ == 0) {
+          stop_signal_ = sig;
+          kill_at = std::min(kill_at, Clock::now() + grace());
+        }
+      }
+      for (auto& w : ws) {
+        pump_output(w, false);
+        if (w.exited) continue;
+        int status = 0;
+        if (::waitpid(w.pid, &status, WNOHANG) != w.pid) continue;
+        w.exited = true;
+        w.status = status;
+        --alive;
+        if (w.pidfd >= 0) {
+          ::close(w.pidfd);
+          w.pidfd = -1;
+        }
+        const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+        if (!ok && !failure.happened && stop_signal_ == 0 && decide_at == Clock::time_point::max()) {
+          // Peers report a death within a millisecond, often before the dead worker is reaped:
+          // collect failures for a moment, then name the root cause.
+          decide_at = Clock::now() + std::chrono::milliseconds(100);
+        }
+      }
+      if (!failure.happened && stop_signal_ == 0 && (Clock::now() >= decide_at || (alive == 0 && decide_at != Clock::time_point::max()))) {
+        failure.happened = true;
+        failure.report = describe_failure(root_cause(ws));
+        signal_all(ws, SIGTERM);
+        kill_at = Clock::now() + grace();
+        if (o_.nnodes > 1) {
+          try {
+            store_->set(failed_key, "node " + std::to_string(o_.node_rank) + ": " + failure.report);
+          } catch (const Error&) {
+          }
+        }
+      }
+      if (o_.nnodes > 1 && !failure.happened && Clock::now() >= next_store_check) {
+        next_store_check = Clock::now() + std::chrono::milliseconds(100);
+        try {
+          if (store_->check({failed_key})) {
+            failure.happened = true;
+            failure.report = store_->get(failed_key);
+            signal_all(ws, SIGTERM);
+            kill_at = Clock::now() + grace();
+          }
+        } catch (const Error&) {
+          // The store is gone (node 0 finished): local workers go on by themselves.
+        }
+      }
+      if (Clock::now() >= kill_at) {
+        signal_all(ws, SIGKILL);
+        kill_at = Clock::time_point::max();
+      }
+    }
+    for (auto& w : ws) {
+      while (w.out_fd >= 0) pump_output(w, true);
+    }
+    return failure;
+  }
+
+  std::chrono::milliseconds grace() const {
+    return std::chrono::milliseconds(static_cast<int64_t>(o_.grace_period_s * 1000));
+  }
+
+ public:
+  ~Agent() {
+    if (!scratch_.empty()) {
+      std::error_code ec;
+      fs::remove_all(scratch_, ec);
+    }
+  }
+
+ private:
+  LaunchOptions o_;
+  std::string program_path_;
+  int nproc_ = 1;
+  int world_ = 0;
+  int offset_ = 0;
+  std::string master_addr_;
+  int master_port_ = -1;
+  std::string token_;
+  std::string scratch_;
+  std::unique_ptr<TcpStoreServer> server_;
+  std::shared_ptr<TcpStore> store_;
+  int stop_signal_ = 0;
+};
+
+}  // namespace
+
+void parse_endpoint(const std::string& text, std::string* host, int* port) {
+  auto colon = text.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == text.size()) {
+    throw UsageError("chorus run: bad endpoint '" + text + "'; expected HOST:PORT");
+  }
+  std::string h = text.substr(0, colon);
+  if (h.size() > 2 && h.front() == '[' && h.back() == ']') h = h.substr(1, h.size() - 2);
+  int p = 0;
+  try {
+    size_t pos = 0;
+    p = std::stoi(text.substr(colon + 1), &pos);
+    if (pos != text.size() - colon - 1) throw std::invalid_argument("");
+  } catch (...) {
+    throw UsageError("chorus run: bad port in endpoint '" + text + "'");
+  }
+  if (p < 0 || p > 65535) throw UsageError("chorus run: port out of range in endpoint '" + text + "'");
+  *host = h;
+  *port = p;
+}
+
+int run(const LaunchOptions& options) {
+  if (g_signal_pipe[0] < 0 && ::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
+    throw Error(std::string("chorus run: pipe: ") + std::strerror(errno));
+  }
+  for (int sig : kForwarded) {
+    struct sigaction sa {};
+    sa.sa_handler = on_signal;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART;
+    ::sigaction(sig, &sa, nullptr);
+  }
+  Agent agent(options);
+  return agent.run();
+}
+
+}  // namespace chorus::launch
