@@ -2,6 +2,7 @@
 //
 //   build/bin/fashion_mnist --nproc 2                  # starts 2 local ranks itself
 //   RANK=.. WORLD_SIZE=.. MASTER_ADDR=.. MASTER_PORT=.. build/bin/fashion_mnist   # one rank of a job
+//   srun -n 2 build/bin/fashion_mnist, mpirun -np 2 build/bin/fashion_mnist           # likewise
 //
 // Every rank loads the whole data set (uint8, 55 MB), trains on its DistributedSampler share with
 // DDP averaging the gradients, evaluates exactly once per item of the test set at the end of every
@@ -18,6 +19,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -39,6 +41,24 @@ namespace {
 
 namespace dist = chorus::dist;
 using Clock = std::chrono::steady_clock;
+
+// This process's rank when a launcher started it as one rank of a job, else nullptr: chorus run
+// and torchrun set RANK, mpirun sets OMPI_COMM_WORLD_RANK, srun sets SLURM_PROCID in a job step
+// (an sbatch script has SLURM_PROCID too, but no SLURM_STEP_ID). A one-task mpirun or srun step
+// (an interactive `srun --pty bash`) is no job of ranks: --nproc still starts ranks there.
+const char* launched_rank() {
+  auto var = [](const char* name) -> const char* {
+    const char* v = std::getenv(name);
+    return v != nullptr && v[0] != '\0' ? v : nullptr;
+  };
+  auto several = [](const char* n) { return n != nullptr && std::strcmp(n, "1") != 0; };
+  if (const char* rank = var("RANK")) return rank;
+  if (several(var("OMPI_COMM_WORLD_SIZE"))) return var("OMPI_COMM_WORLD_RANK");
+  const bool step = var("SLURM_STEP_ID") != nullptr || var("SLURM_STEPID") != nullptr;
+  const char* tasks = var("SLURM_STEP_NUM_TASKS") != nullptr ? var("SLURM_STEP_NUM_TASKS") : var("SLURM_NTASKS");
+  if (step && several(tasks)) return var("SLURM_PROCID");
+  return nullptr;
+}
 
 struct Config {
   int nproc = 0;
@@ -418,16 +438,16 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
-  if (std::getenv("RANK") != nullptr) {  // one rank of a job started by a launcher
+  if (const char* rank = fashion_mnist::launched_rank()) {  // one rank of a job started by a launcher
     if (cfg.nproc > 0) {
-      std::fprintf(stderr, "fashion_mnist: error: RANK is set (this process is one rank of a launched job), "
-                           "so --nproc cannot start ranks; drop --nproc\n");
+      std::fprintf(stderr, "fashion_mnist: error: this process is rank %s of a job started by a launcher (chorus run, "
+                           "torchrun, srun or mpirun), so --nproc cannot start ranks; drop --nproc\n", rank);
       return 2;
     }
     try {
       fashion_mnist::run_rank(cfg);
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "fashion_mnist: rank %s: error: %s\n", std::getenv("RANK"), e.what());
+      std::fprintf(stderr, "fashion_mnist: rank %s: error: %s\n", rank, e.what());
       return 1;
     }
     return 0;

@@ -252,8 +252,8 @@ ProcessGroup::ProcessGroup(std::shared_ptr<Store> store, int rank, int size, Pro
     throw UsageError("chorus: invalid rank " + std::to_string(rank) + " for world size " + std::to_string(size) +
                      "; rank must be in [0, world_size)");
   }
-  if (options.transport != "tcp") {
-    throw UsageError("chorus: unknown transport '" + options.transport + "'; available: tcp");
+  if (options.transport != "tcp" && options.transport != "shm" && options.transport != "auto") {
+    throw UsageError("chorus: unknown transport '" + options.transport + "'; available: tcp, shm, auto");
   }
   Impl& m = *impl_;
   m.store = std::move(store);
@@ -280,7 +280,32 @@ ProcessGroup::ProcessGroup(std::shared_ptr<Store> store, int rank, int size, Pro
     to.spin_us = static_cast<unsigned>(size) <= std::thread::hardware_concurrency() ? 20 : 0;
   }
   try {
-    m.transport = transport::make_tcp_transport(to);
+    std::string kind = options.transport;
+    if (kind == "auto") {
+      // Shared memory when every rank is on this host (same boot, hostname and IPC namespace).
+      const std::string mine = transport::host_identity();
+      m.store->set(to.key_prefix + "/host/" + std::to_string(rank), mine);
+      kind = "shm";
+      for (int r = 0; r < size && size > 1; ++r) {
+        const std::string key = to.key_prefix + "/host/" + std::to_string(r);
+        m.store->wait({key}, options.timeout);
+        if (m.store->get(key) != mine) kind = "tcp";
+      }
+    }
+    if (kind == "shm" && size > 1) {
+      transport::ShmOptions so;
+      so.store = m.store.get();
+      so.key_prefix = to.key_prefix;
+      so.group_name = options.group_name;
+      so.rank = rank;
+      so.size = size;
+      so.token = options.token;
+      so.deadline = to.deadline;
+      so.spin_us = static_cast<unsigned>(size) <= std::thread::hardware_concurrency() ? 50 : 0;
+      m.transport = transport::make_shm_transport(so);
+    } else {
+      m.transport = transport::make_tcp_transport(to);
+    }
   } catch (const std::exception& e) {
     // Name the rank and group on every setup error (store, connect, handshake, accept).
     const std::string what = e.what();
@@ -319,6 +344,7 @@ std::shared_ptr<Work> ProcessGroup::allreduce(void* data, size_t count, DataType
   m.check_buffer(data, count, "allreduce");
   element_size(dtype);
   return m.enqueue(OpType::kAllreduce, dtype, op, count, 0, [&m, data, count, dtype, op](WorkImpl&, const Call& c) {
+    if (m.size > 1 && m.transport->native_allreduce(data, count, dtype, op)) return;
     algo::allreduce(*m.transport, m.scratch, m.tune, c, data, count, dtype, op);
   });
 }

@@ -1,15 +1,20 @@
 // rendezvous(): an init URL (and, for env://, the environment) becomes a store, a rank and a
-// world size. This and the launcher are the only places that read the environment.
+// world size. This and the launcher are the only places that read the environment; what env://
+// makes of it (chorus run, srun or mpirun) is the pure resolve_cluster_env() in cluster_env.cc.
 #include "chorus/comm/rendezvous.h"
 
 #include <algorithm>
 #include <cctype>
 #include <charconv>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 
 #include "chorus/comm/error.h"
 #include "chorus/comm/tcp_store.h"
+#include "cluster_env.h"
+
+extern char** environ;  // POSIX; <unistd.h> declares it only with _GNU_SOURCE
 
 namespace chorus {
 namespace {
@@ -86,17 +91,6 @@ Url parse_url(const std::string& text) {
   return url;
 }
 
-// Strict decimal integer: the whole text, in [lo, hi].
-bool parse_int(const std::string& text, int lo, int hi, int* out) {
-  int v = 0;
-  auto [ptr, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  if (text.empty() || ec != std::errc() || ptr != text.data() + text.size() || v < lo || v > hi) {
-    return false;
-  }
-  *out = v;
-  return true;
-}
-
 const char* env(const char* name) {
   const char* v = std::getenv(name);
   return (v != nullptr && v[0] != '\0') ? v : nullptr;
@@ -111,33 +105,50 @@ bool env_flag(const char* name) {
   return s == "1" || s == "true" || s == "yes" || s == "on";
 }
 
-// The rank or world size: the explicit argument, else the URL's parameter, else (env:// only) the
-// environment variable.
-int resolve_int(const Url& url, int arg, const char* param, const char* var, int lo) {
+// Every variable of this process's environment (resolve_cluster_env treats "" as unset).
+Environment current_environment() {
+  Environment out;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+    const char* entry = *e;
+    const char* eq = std::strchr(entry, '=');
+    if (eq != nullptr) out.emplace(std::string(entry, eq), std::string(eq + 1));
+  }
+  return out;
+}
+
+// The rank or world size from the explicit argument, else the URL's parameter; -1 when neither
+// gives it (env:// then asks the environment).
+int arg_or_param(const Url& url, int arg, const char* param, int lo) {
   if (arg >= 0) return arg;
-  int v = 0;
   auto it = url.query.find(param);
-  if (it != url.query.end()) {
-    if (!parse_int(it->second, lo, 1 << 30, &v)) {
-      bad_url(url, std::string(param) + " must be an integer >= " + std::to_string(lo) + ", got '" +
-                       it->second + "'");
-    }
-    return v;
+  if (it == url.query.end()) return -1;
+  int v = 0;
+  if (!parse_int(it->second, lo, 1 << 30, &v)) {
+    bad_url(url, std::string(param) + " must be an integer >= " + std::to_string(lo) + ", got '" +
+                     it->second + "'");
   }
-  if (url.scheme == "env") {
-    const char* text = env(var);
-    if (text == nullptr) {
-      throw UsageError(std::string("env:// rendezvous needs ") + var + "; set it, pass " + param +
-                       " explicitly, or use chorus run");
-    }
-    if (!parse_int(text, lo, 1 << 30, &v)) {
-      throw UsageError(std::string("env:// rendezvous: ") + var +
-                       " must be an integer >= " + std::to_string(lo) + ", got '" + text + "'");
-    }
-    return v;
+  return v;
+}
+
+// tcp:// and file:// take the rank and world size from the arguments or the URL only.
+int require_arg_or_param(const Url& url, int arg, const char* param, int lo) {
+  const int v = arg_or_param(url, arg, param, lo);
+  if (v < 0) {
+    bad_url(url, std::string("no ") + param + "; add ?rank=R&world_size=W to the URL or pass " +
+                     param + " explicitly");
   }
-  bad_url(url, std::string("no ") + param + "; add ?rank=R&world_size=W to the URL or pass " +
-                   param + " explicitly");
+  return v;
+}
+
+// Rethrows `e` with `context` appended, keeping its type.
+[[noreturn]] void rethrow_with(const Error& e, const std::string& context) {
+  const std::string what = e.what() + context;
+  if (dynamic_cast<const TimeoutError*>(&e) != nullptr) throw TimeoutError(what);
+  if (dynamic_cast<const HandshakeError*>(&e) != nullptr) throw HandshakeError(what);
+  if (dynamic_cast<const PeerError*>(&e) != nullptr) throw PeerError(what);
+  if (dynamic_cast<const UsageError*>(&e) != nullptr) throw UsageError(what);
+  if (dynamic_cast<const MismatchError*>(&e) != nullptr) throw MismatchError(what);
+  throw Error(what);
 }
 
 // "host:port" or "[v6]:port".
@@ -168,8 +179,20 @@ Rendezvous rendezvous(const std::string& text, int rank, int world_size,
                       RendezvousOptions options) {
   const Url url = parse_url(text);
   Rendezvous rv;
-  rv.world_size = resolve_int(url, world_size, "world_size", "WORLD_SIZE", 1);
-  rv.rank = resolve_int(url, rank, "rank", "RANK", 0);
+  ClusterEnv cluster;
+  if (url.scheme == "env") {
+    if (!url.body.empty()) {
+      bad_url(url, "env:// takes no address: MASTER_ADDR and MASTER_PORT give it");
+    }
+    const int world_hint = arg_or_param(url, world_size, "world_size", 1);
+    const int rank_hint = arg_or_param(url, rank, "rank", 0);
+    cluster = resolve_cluster_env(current_environment(), rank_hint, world_hint);
+    rv.world_size = cluster.world_size;
+    rv.rank = cluster.rank;
+  } else {
+    rv.world_size = require_arg_or_param(url, world_size, "world_size", 1);
+    rv.rank = require_arg_or_param(url, rank, "rank", 0);
+  }
   if (rv.world_size < 1) {
     throw UsageError("rendezvous '" + text + "': world_size must be >= 1, got " +
                      std::to_string(rv.world_size));
@@ -179,11 +202,18 @@ Rendezvous rendezvous(const std::string& text, int rank, int world_size,
                      " is outside [0, " + std::to_string(rv.world_size) + ") for world_size " +
                      std::to_string(rv.world_size));
   }
+  // Rank 0 hosts the server unless a launcher already does.
+  const bool external_store = env_flag("CHORUS_STORE_EXTERNAL");
   auto token = url.query.find("token");
   if (token != url.query.end()) {
     rv.token = token->second;
   } else if (const char* t = env("CHORUS_JOB_TOKEN")) {
     rv.token = t;
+  } else if (!external_store) {
+    // Under srun or mpirun: the job's key, so that a job whose derived port collides with
+    // another's is refused by that job's store rather than joining it. A store hosted by someone
+    // else has its own token, which CHORUS_JOB_TOKEN gives.
+    rv.token = cluster.job_key;
   }
 
   if (url.scheme == "file") {
@@ -196,31 +226,26 @@ Rendezvous rendezvous(const std::string& text, int rank, int world_size,
 
   TcpStoreOptions store;
   if (url.scheme == "env") {
-    if (!url.body.empty()) {
-      bad_url(url, "env:// takes no address: MASTER_ADDR and MASTER_PORT give it");
-    }
-    const char* addr = env("MASTER_ADDR");
-    if (addr == nullptr) {
-      throw UsageError("env:// rendezvous needs MASTER_ADDR; set it or use chorus run");
-    }
-    const char* port = env("MASTER_PORT");
-    if (port == nullptr) {
-      throw UsageError("env:// rendezvous needs MASTER_PORT; set it or use chorus run");
-    }
-    store.host = addr;
-    if (!parse_int(port, 1, 65535, &store.port)) {
-      throw UsageError(
-          std::string("env:// rendezvous: MASTER_PORT must be a port in [1, 65535], got '") + port +
-          "'");
-    }
+    store.host = cluster.master_addr;
+    store.port = cluster.master_port;
   } else {
     split_host_port(url, url.body, &store.host, &store.port);
   }
-  // Rank 0 hosts the server unless a launcher already does.
-  store.is_server = rv.rank == 0 && !env_flag("CHORUS_STORE_EXTERNAL");
+  store.is_server = rv.rank == 0 && !external_store;
   store.token = rv.token;
   store.timeout = options.timeout;
-  auto tcp = std::make_shared<TcpStore>(store);
+  std::shared_ptr<TcpStore> tcp;
+  try {
+    tcp = std::make_shared<TcpStore>(store);
+  } catch (const Error& e) {
+    // Say where env:// found the address: a wrong MASTER_ADDR, or a derived port that another job
+    // holds, is the usual cause of a timeout, a refused hello or a failed listen.
+    if (url.scheme != "env") throw;
+    rethrow_with(e, " [env:// " + cluster.describe() +
+                        (cluster.master_port_from == "MASTER_PORT"
+                             ? std::string("]")
+                             : std::string("; MASTER_PORT overrides the derived port]")));
+  }
   rv.local_address = tcp->local_address();
   rv.store = std::move(tcp);
   return rv;

@@ -29,23 +29,6 @@ constexpr size_t kInboxBytes = 64 * 1024;     // read-ahead buffer per connectio
 constexpr size_t kDirectReadBytes = 32 * 1024; // payload tails this large are read in place
 constexpr uint64_t kSpinMaxBytes = 256 * 1024;  // operations up to this size busy-poll
 
-struct SendItem {
-  Ticket ticket;
-  wire::Header header;
-  const char* data;
-  size_t n;
-  size_t off = 0;  // over header + data
-};
-
-struct RecvItem {
-  Ticket ticket;
-  wire::Call expect;
-  char* data;
-  size_t n;
-  bool have_header = false;
-  size_t got = 0;
-};
-
 struct Conn {
   int peer = -1;
   net::Fd fd;

@@ -27,6 +27,24 @@ namespace chorus::transport {
 
 using Ticket = uint64_t;
 
+// A posted send or receive, as the transports queue them per peer.
+struct SendItem {
+  Ticket ticket;
+  wire::Header header;
+  const char* data;
+  size_t n;
+  size_t off = 0;  // bytes done, over header + data
+};
+
+struct RecvItem {
+  Ticket ticket;
+  wire::Call expect;
+  char* data;
+  size_t n;
+  bool have_header = false;
+  size_t got = 0;  // payload bytes received
+};
+
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -47,6 +65,10 @@ class Transport {
   virtual void wait(Ticket ticket) = 0;
   // Progresses everything posted until nothing is pending.
   virtual void wait_all() = 0;
+
+  // Transports with a collective of their own (shared memory) run it here and return true;
+  // the default leaves the operation to the generic algorithms.
+  virtual bool native_allreduce(void* buf, size_t count, DataType dtype, ReduceOp op) { return false; }
 
   // Tells every peer that this rank failed with `reason` (best effort, bounded), then shuts the
   // connections down so peers waiting on this rank fail at once.
@@ -83,5 +105,26 @@ struct TcpOptions {
 // lower ranks and accepts higher ranks, with the token handshake and a check that both sides agree
 // on group, world size and ranks. Throws HandshakeError/TimeoutError naming the peer otherwise.
 std::unique_ptr<Transport> make_tcp_transport(const TcpOptions& options);
+
+struct ShmOptions {
+  Store* store = nullptr;
+  std::string key_prefix;
+  std::string group_name;
+  int rank = 0;
+  int size = 1;
+  std::string token;
+  net::Deadline deadline;
+  size_t ring_bytes = 256 << 10;      // per ordered pair of ranks, for point-to-point messages
+  size_t collective_bytes = 4 << 20;  // per rank, twice (double-buffered), for native allreduce
+  int spin_us = 50;                   // busy-wait this long before sleeping on a futex
+};
+
+// Ranks on one host: each maps every rank's segment (created in /dev/shm, unlinked as soon as all
+// have mapped it, so nothing is left behind even after SIGKILL). Throws UsageError when the ranks
+// are not all on this host (host identity = boot id + hostname + IPC namespace, via the store).
+std::unique_ptr<Transport> make_shm_transport(const ShmOptions& options);
+
+// This host's identity for deciding which ranks can share memory.
+std::string host_identity();
 
 }  // namespace chorus::transport

@@ -266,7 +266,8 @@ void add_bench_options(CLI::App& app, BenchArgs& a) {
   app.add_option("op", a.op, "collective to measure")
       ->check(CLI::IsMember({"allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "alltoall"}));
   app.add_option("-n,--world-size", a.world_size, "number of local ranks to start")->check(CLI::Range(1, 256));
-  app.add_option("--transport", a.transport, "transport")->check(CLI::IsMember({"tcp"}));
+  app.add_option("--transport", a.transport, "transport: tcp, shm, or auto (shm within a host)")
+      ->check(CLI::IsMember({"tcp", "shm", "auto"}));
   app.add_option("--sizes", a.sizes, "comma-separated sizes in bytes (K, M, G suffixes)");
   app.add_option("--iters", a.iters, "timed iterations per size (0 = about --seconds per size)");
   app.add_option("--warmup", a.warmup, "untimed iterations per size")->check(CLI::Range(1, 1000000));

@@ -31,7 +31,9 @@ namespace chorus {
 
 struct ProcessGroupOptions {
   std::chrono::milliseconds timeout{300000};  // per operation; 5 minutes as in PyTorch
-  std::string transport = "tcp";               // the only kind for now
+  // "tcp"; "shm" (every rank on this host: shared memory, native allreduce); "auto" (shm when all
+  // ranks share a host, else tcp).
+  std::string transport = "tcp";
   std::string token;                           // job token for the connection handshake
   std::string advertise_host;                  // address peers reach this rank by ("" = 127.0.0.1)
   std::string group_name = "default";

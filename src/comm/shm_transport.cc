@@ -1,0 +1,594 @@
+// Shared-memory transport for ranks on one host. See docs/shm.md.
+//
+// Every rank owns one segment, mapped read-write by all ranks of the group:
+//   [Header][ring to rank 0]...[ring to rank n-1][collective area: 2 halves]
+// - Rings carry the same messages as TCP (wire::Header + payload), so every generic algorithm
+//   and the mismatch checks work unchanged; a ring is single-producer (the owner) single-consumer.
+// - native_allreduce uses the collective areas: each rank copies its chunk into its own area,
+//   reduces its slice straight out of every rank's area, and all copy the reduced slices back.
+//   Two barriers per chunk; the areas alternate halves so a chunk's copy-in never races the
+//   previous chunk's copy-out.
+// - Waiting spins for spin_us, then sleeps on a futex in the waiter's own header ("doorbell");
+//   whoever changes something a peer may wait on rings the peer's doorbell.
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <deque>
+#include <dirent.h>
+#include <fstream>
+#include <signal.h>
+#include <sstream>
+#include <thread>
+#include <unordered_set>
+#include <vector>
+
+#include "chorus/comm/error.h"
+#include "chorus/comm/store.h"
+#include "plan.h"
+#include "reduce.h"
+#include "transport.h"
+
+namespace chorus::transport {
+namespace {
+
+using net::Clock;
+using net::Deadline;
+
+constexpr uint32_t kSegMagic = 0x4d534843;  // "CHSM"
+constexpr int kDescHistory = 8;
+
+enum State : uint32_t { kLive = 0, kAborted = 1, kClosed = 2 };
+
+struct alignas(64) Padded64 {
+  std::atomic<uint64_t> v{0};
+};
+
+struct Desc {
+  std::atomic<uint64_t> seq_plus_one{0};  // 0 = empty
+  wire::Call call;
+};
+
+struct SegHeader {
+  uint32_t magic;
+  int32_t rank;
+  int32_t size;
+  int32_t pid;
+  uint64_t token_hash;
+  uint64_t ring_bytes;
+  uint64_t collective_bytes;
+  alignas(64) std::atomic<uint32_t> state;
+  uint8_t error_class;
+  char message[2048];
+  alignas(64) std::atomic<uint32_t> doorbell;  // futex word: bumped whenever a peer may proceed
+  alignas(64) std::atomic<uint32_t> sleeping;
+  alignas(64) std::atomic<uint64_t> stage;     // native allreduce barrier counter
+  Desc desc[kDescHistory];                     // the collectives this rank is in, by seq
+};
+
+struct RingCtl {
+  Padded64 head;  // bytes written by the producer (the segment's owner)
+  Padded64 tail;  // bytes read by the consumer
+};
+
+size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+uint64_t hash_token(const std::string& t) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a
+  for (unsigned char c : t) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+long futex(std::atomic<uint32_t>* addr, int op, uint32_t val, const timespec* ts) {
+  return ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), op, val, ts, nullptr, 0);
+}
+
+std::string read_first_line(const char* path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+// Removes segments left in /dev/shm by chorus processes that no longer exist (killed during setup).
+void sweep_stale_segments() {
+  DIR* d = ::opendir("/dev/shm");
+  if (d == nullptr) return;
+  while (dirent* e = ::readdir(d)) {
+    int pid = 0;
+    if (std::sscanf(e->d_name, "chorus-%d-", &pid) == 1 && pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH) {
+      ::shm_unlink((std::string("/") + e->d_name).c_str());
+    }
+  }
+  ::closedir(d);
+}
+
+struct Segment {
+  void* base = nullptr;
+  size_t bytes = 0;
+  SegHeader* hdr = nullptr;
+  ~Segment() {
+    if (base != nullptr) ::munmap(base, bytes);
+  }
+};
+
+class ShmTransport final : public Transport {
+ public:
+  ShmTransport(const ShmOptions& o) : o_(o) {}
+
+  ~ShmTransport() override { close(); }
+
+  void setup() {
+    const int n = o_.size;
+    ring_bytes_ = align_up(std::max<size_t>(o_.ring_bytes, 4096), 64);
+    coll_half_ = align_up(std::max<size_t>(o_.collective_bytes, 4096), 64);
+    header_bytes_ = align_up(sizeof(SegHeader), 4096);
+    rings_off_ = header_bytes_;
+    ring_stride_ = align_up(sizeof(RingCtl) + ring_bytes_, 64);
+    coll_off_ = align_up(rings_off_ + ring_stride_ * static_cast<size_t>(n), 4096);
+    seg_bytes_ = coll_off_ + 2 * coll_half_;
+
+    sweep_stale_segments();
+    // Create mine: the pid in the name lets a later job sweep it if this process dies in setup.
+    name_ = "/chorus-" + std::to_string(::getpid()) + "-" + std::to_string(hash_token(o_.key_prefix) & 0xffffff) +
+            "-" + std::to_string(o_.rank);
+    int fd = ::shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+    if (fd < 0 && errno == EEXIST) {
+      ::shm_unlink(name_.c_str());
+      fd = ::shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+    }
+    if (fd < 0) throw Error(me() + ": cannot create shared memory " + name_ + ": " + std::strerror(errno));
+    named_ = true;
+    if (::ftruncate(fd, static_cast<off_t>(seg_bytes_)) != 0) {
+      int err = errno;
+      ::close(fd);
+      throw Error(me() + ": cannot size shared memory " + name_ + " to " + std::to_string(seg_bytes_) +
+                  " bytes: " + std::strerror(err) + " (is /dev/shm full?)");
+    }
+    segs_.resize(static_cast<size_t>(n));
+    map(segs_[static_cast<size_t>(o_.rank)], fd);
+    SegHeader* h = segs_[static_cast<size_t>(o_.rank)].hdr;
+    new (h) SegHeader();
+    h->rank = o_.rank;
+    h->size = n;
+    h->pid = ::getpid();
+    h->token_hash = hash_token(o_.token);
+    h->ring_bytes = ring_bytes_;
+    h->collective_bytes = coll_half_;
+    h->magic = kSegMagic;
+
+    const std::string mine = host_identity();
+    o_.store->set(o_.key_prefix + "/shm/" + std::to_string(o_.rank), mine + "\n" + name_);
+    for (int r = 0; r < n; ++r) {
+      if (r == o_.rank) continue;
+      const std::string key = o_.key_prefix + "/shm/" + std::to_string(r);
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(o_.deadline - Clock::now());
+      o_.store->wait({key}, std::max(left, std::chrono::milliseconds(1)));
+      std::string v = o_.store->get(key);
+      std::string host = v.substr(0, v.find('\n'));
+      std::string peer_name = v.substr(v.find('\n') + 1);
+      if (host != mine) {
+        throw UsageError(me() + ": transport 'shm' needs every rank on one host, but rank " + std::to_string(r) +
+                         " is on another (" + host + " vs " + mine + "); use transport 'tcp' or 'auto'");
+      }
+      int pfd = ::shm_open(peer_name.c_str(), O_RDWR | O_CLOEXEC, 0600);
+      if (pfd < 0) throw Error(me() + ": cannot open rank " + std::to_string(r) + "'s shared memory " + peer_name + ": " + std::strerror(errno));
+      map(segs_[static_cast<size_t>(r)], pfd);
+      SegHeader* ph = segs_[static_cast<size_t>(r)].hdr;
+      if (ph->magic != kSegMagic || ph->token_hash != h->token_hash || ph->size != n ||
+          ph->ring_bytes != ring_bytes_ || ph->collective_bytes != coll_half_) {
+        throw HandshakeError(me() + ": rank " + std::to_string(r) + "'s shared memory belongs to another job or "
+                             "configuration (job token, world size or buffer sizes differ)");
+      }
+    }
+    // Everyone has mapped everyone: the names can go, so nothing outlives the processes.
+    const std::string count = o_.key_prefix + "/shm/mapped";
+    o_.store->add(count, 1);
+    while (o_.store->add(count, 0) < n) {
+      if (Clock::now() > o_.deadline) throw TimeoutError(me() + ": shared-memory setup timed out waiting for the other ranks to map");
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    ::shm_unlink(name_.c_str());
+    named_ = false;
+    pidfds_.assign(static_cast<size_t>(n), -1);
+    for (int r = 0; r < n; ++r) {
+      if (r != o_.rank) pidfds_[static_cast<size_t>(r)] = static_cast<int>(::syscall(SYS_pidfd_open, segs_[static_cast<size_t>(r)].hdr->pid, 0));
+    }
+    recvs_.resize(static_cast<size_t>(n));
+    sends_.resize(static_cast<size_t>(n));
+  }
+
+  int rank() const override { return o_.rank; }
+  int size() const override { return o_.size; }
+  std::string peer_name(int peer) const override {
+    const SegHeader* h = segs_[static_cast<size_t>(peer)].hdr;
+    return "rank " + std::to_string(peer) + " (pid " + std::to_string(h ? h->pid : -1) + ", shared memory)";
+  }
+
+  void begin(const wire::Call& call, Deadline deadline) override {
+    call_ = call;
+    start_ = Clock::now();
+    deadline_ = deadline;
+    if (call.op != wire::OpType::kSend && call.op != wire::OpType::kRecv) {
+      Desc& d = me_hdr()->desc[call.seq % kDescHistory];
+      d.call = call;
+      d.seq_plus_one.store(call.seq + 1, std::memory_order_release);
+    }
+  }
+
+  Ticket send(int peer, const wire::Header& header, const void* data, size_t n) override {
+    Ticket t = next_++;
+    sends_[static_cast<size_t>(check_peer(peer))].push_back(SendItem{t, header, static_cast<const char*>(data), n});
+    pending_.insert(t);
+    return t;
+  }
+
+  Ticket recv(int peer, const wire::Call& expect, void* data, size_t n) override {
+    Ticket t = next_++;
+    recvs_[static_cast<size_t>(check_peer(peer))].push_back(RecvItem{t, expect, static_cast<char*>(data), n});
+    pending_.insert(t);
+    return t;
+  }
+
+  void wait(Ticket t) override {
+    wait_until([&] { return pending_.count(t) == 0; }, "its next message");
+  }
+  void wait_all() override {
+    wait_until([&] { return pending_.empty(); }, "its next message");
+  }
+
+  bool native_allreduce(void* buf, size_t count, DataType dtype, ReduceOp op) override {
+    const int n = o_.size;
+    const size_t esz = element_size(dtype);
+    const size_t chunk_elems = std::max<size_t>(1, coll_half_ / esz);
+    char* user = static_cast<char*>(buf);
+    size_t done = 0;
+    do {
+      const size_t len = std::min(chunk_elems, count - done);
+      const int half = static_cast<int>(stage_ / 2 % 2);
+      std::memcpy(area(o_.rank, half), user + done * esz, len * esz);
+      barrier("to copy in its part of the buffer");
+      plan::Range s = plan::split(len, n, o_.rank);
+      char* acc = area(o_.rank, half) + s.offset * esz;
+      for (int k = 0; k < n; ++k) {
+        if (k != o_.rank) reduce::reduce_into(dtype, op, acc, area(k, half) + s.offset * esz, s.count);
+      }
+      if (op == ReduceOp::kAvg) reduce::finish_avg(dtype, acc, s.count, n);
+      barrier("to reduce its slice");
+      for (int k = 0; k < n; ++k) {
+        plan::Range sk = plan::split(len, n, k);
+        std::memcpy(user + (done + sk.offset) * esz, area(k, half) + sk.offset * esz, sk.count * esz);
+      }
+      done += len;
+    } while (done < count);
+    return true;
+  }
+
+  void abort(const std::string& reason, uint8_t error_class) override {
+    if (closed_) return;
+    SegHeader* h = me_hdr();
+    if (h == nullptr) return;
+    size_t k = std::min(reason.size(), sizeof(h->message) - 1);
+    std::memcpy(h->message, reason.data(), k);
+    h->message[k] = '\0';
+    h->error_class = error_class;
+    h->state.store(kAborted, std::memory_order_release);
+    ring_all();
+    aborted_ = true;
+    pending_.clear();
+    for (auto& q : sends_) q.clear();
+    for (auto& q : recvs_) q.clear();
+  }
+
+  void close() override {
+    if (closed_) return;
+    closed_ = true;
+    if (named_) ::shm_unlink(name_.c_str());
+    if (SegHeader* h = me_hdr(); h != nullptr && !aborted_) {
+      h->state.store(kClosed, std::memory_order_release);
+      ring_all();
+    }
+    for (int fd : pidfds_) {
+      if (fd >= 0) ::close(fd);
+    }
+    pidfds_.clear();
+  }
+
+ private:
+  void map(Segment& s, int fd) {
+    void* p = ::mmap(nullptr, seg_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    int err = errno;
+    ::close(fd);
+    if (p == MAP_FAILED) throw Error(me() + ": mmap of shared memory failed: " + std::strerror(err));
+    s.base = p;
+    s.bytes = seg_bytes_;
+    s.hdr = static_cast<SegHeader*>(p);
+  }
+
+  std::string me() const { return "chorus: rank " + std::to_string(o_.rank); }
+  std::string prefix() const { return me() + ": " + wire::describe(call_); }
+  SegHeader* me_hdr() const { return segs_.empty() ? nullptr : segs_[static_cast<size_t>(o_.rank)].hdr; }
+  int check_peer(int peer) const {
+    if (peer < 0 || peer >= o_.size || peer == o_.rank) {
+      throw UsageError(me() + ": invalid peer rank " + std::to_string(peer));
+    }
+    return peer;
+  }
+
+  RingCtl* ring_ctl(int owner, int to) const {
+    return reinterpret_cast<RingCtl*>(static_cast<char*>(segs_[static_cast<size_t>(owner)].base) + rings_off_ +
+                                      ring_stride_ * static_cast<size_t>(to));
+  }
+  char* ring_data(int owner, int to) const { return reinterpret_cast<char*>(ring_ctl(owner, to)) + sizeof(RingCtl); }
+  char* area(int owner, int half) const {
+    return static_cast<char*>(segs_[static_cast<size_t>(owner)].base) + coll_off_ + coll_half_ * static_cast<size_t>(half);
+  }
+
+  void ring(int peer) {
+    SegHeader* h = segs_[static_cast<size_t>(peer)].hdr;
+    h->doorbell.fetch_add(1, std::memory_order_seq_cst);
+    if (h->sleeping.load(std::memory_order_seq_cst) != 0) futex(&h->doorbell, FUTEX_WAKE, INT32_MAX, nullptr);
+  }
+  void ring_all() {
+    for (int r = 0; r < o_.size; ++r) {
+      if (r != o_.rank && segs_[static_cast<size_t>(r)].hdr != nullptr) ring(r);
+    }
+  }
+
+  // Copies between a ring and memory, wrapping at the ring's end.
+  void ring_write(int to, uint64_t pos, const char* src, size_t n) {
+    char* base = ring_data(o_.rank, to);
+    size_t at = pos % ring_bytes_, first = std::min(n, ring_bytes_ - at);
+    std::memcpy(base + at, src, first);
+    std::memcpy(base, src + first, n - first);
+  }
+  void ring_read(int from, uint64_t pos, char* dst, size_t n) const {
+    const char* base = ring_data(from, o_.rank);
+    size_t at = pos % ring_bytes_, first = std::min(n, ring_bytes_ - at);
+    std::memcpy(dst, base + at, first);
+    std::memcpy(dst + first, base, n - first);
+  }
+
+  bool pump_send(int peer) {
+    auto& q = sends_[static_cast<size_t>(peer)];
+    bool progressed = false;
+    RingCtl* c = ring_ctl(o_.rank, peer);
+    while (!q.empty()) {
+      SendItem& s = q.front();
+      const size_t total = sizeof(wire::Header) + s.n;
+      uint64_t head = c->head.v.load(std::memory_order_relaxed);
+      uint64_t tail = c->tail.v.load(std::memory_order_acquire);
+      size_t free = ring_bytes_ - static_cast<size_t>(head - tail);
+      if (free == 0) break;
+      size_t k = std::min(free, total - s.off);
+      size_t w = 0;
+      if (s.off < sizeof(wire::Header)) {
+        size_t hk = std::min(k, sizeof(wire::Header) - s.off);
+        ring_write(peer, head, reinterpret_cast<const char*>(&s.header) + s.off, hk);
+        w += hk;
+      }
+      if (w < k) {
+        size_t data_off = s.off + w - sizeof(wire::Header);
+        ring_write(peer, head + w, s.data + data_off, k - w);
+      }
+      c->head.v.store(head + k, std::memory_order_release);
+      s.off += k;
+      progressed = true;
+      ring(peer);
+      if (s.off == total) {
+        pending_.erase(s.ticket);
+        q.pop_front();
+      }
+    }
+    return progressed;
+  }
+
+  bool pump_recv(int peer) {
+    auto& q = recvs_[static_cast<size_t>(peer)];
+    bool progressed = false;
+    RingCtl* c = ring_ctl(peer, o_.rank);
+    while (!q.empty()) {
+      RecvItem& r = q.front();
+      uint64_t tail = c->tail.v.load(std::memory_order_relaxed);
+      uint64_t head = c->head.v.load(std::memory_order_acquire);
+      size_t avail = static_cast<size_t>(head - tail);
+      if (!r.have_header) {
+        if (avail < sizeof(wire::Header)) break;
+        wire::Header h;
+        ring_read(peer, tail, reinterpret_cast<char*>(&h), sizeof(h));
+        if (h.magic != wire::kMessageMagic) {
+          throw PeerError(prefix() + ": corrupt message from " + peer_name(peer) + " (bad magic)");
+        }
+        if (!wire::same_call(h, r.expect)) {
+          throw MismatchError(me() + ": collective mismatch: this rank called " + wire::describe(r.expect) + " but " +
+                              peer_name(peer) + " called " + wire::describe(h) +
+                              "; every rank must call the same collectives in the same order with the same dtype, "
+                              "count, op and root");
+        }
+        if (h.payload != r.n) {
+          throw MismatchError(prefix() + ": " + peer_name(peer) + " sent " + std::to_string(h.payload) +
+                              " bytes where this rank expected " + std::to_string(r.n));
+        }
+        tail += sizeof(h);
+        avail -= sizeof(h);
+        r.have_header = true;
+      }
+      size_t k = std::min(avail, r.n - r.got);
+      if (k > 0) {
+        ring_read(peer, tail, r.data + r.got, k);
+        tail += k;
+        r.got += k;
+      }
+      c->tail.v.store(tail, std::memory_order_release);
+      progressed = true;
+      ring(peer);
+      if (r.got < r.n) break;
+      pending_.erase(r.ticket);
+      q.pop_front();
+    }
+    return progressed;
+  }
+
+  bool pump() {
+    bool progressed = false;
+    for (int p = 0; p < o_.size; ++p) {
+      if (p == o_.rank) continue;
+      if (!sends_[static_cast<size_t>(p)].empty()) progressed |= pump_send(p);
+      if (!recvs_[static_cast<size_t>(p)].empty()) progressed |= pump_recv(p);
+    }
+    return progressed;
+  }
+
+  // Peers' failures, departures and disagreements, checked whenever this rank is about to sleep.
+  void check_peers() {
+    for (int p = 0; p < o_.size; ++p) {
+      if (p == o_.rank) continue;
+      SegHeader* h = segs_[static_cast<size_t>(p)].hdr;
+      uint32_t st = h->state.load(std::memory_order_acquire);
+      if (st == kAborted) {
+        std::string msg = prefix() + ": failed because " + peer_name(p) + " failed: " + h->message;
+        switch (h->error_class) {
+          case kErrTimeout: throw TimeoutError(msg);
+          case kErrPeer: throw PeerError(msg);
+          case kErrMismatch: throw MismatchError(msg);
+          default: throw Error(msg);
+        }
+      }
+      if (call_.op != wire::OpType::kSend && call_.op != wire::OpType::kRecv) {
+        const Desc& d = h->desc[call_.seq % kDescHistory];
+        if (d.seq_plus_one.load(std::memory_order_acquire) == call_.seq + 1) {
+          wire::Header theirs = wire::make_header(d.call, 0);
+          if (!wire::same_call(theirs, call_)) {
+            throw MismatchError(me() + ": collective mismatch: this rank called " + wire::describe(call_) + " but " +
+                                peer_name(p) + " called " + wire::describe(d.call) +
+                                "; every rank must call the same collectives in the same order with the same "
+                                "dtype, count, op and root");
+          }
+        }
+      }
+      if (st == kClosed) {
+        throw PeerError(prefix() + ": peer " + peer_name(p) + " has closed its process group (it finished or "
+                        "destroyed the group) but this operation still needs it");
+      }
+      int fd = pidfds_[static_cast<size_t>(p)];
+      pollfd pfd{fd, POLLIN, 0};
+      bool dead = fd >= 0 ? (::poll(&pfd, 1, 0) > 0) : (::kill(h->pid, 0) != 0 && errno == ESRCH);
+      if (dead) {
+        throw PeerError(prefix() + ": peer " + peer_name(p) + " died (its process is gone) [after " +
+                        net::format_duration(Clock::now() - start_) + "]");
+      }
+    }
+  }
+
+  template <typename Done>
+  void wait_until(Done done, const char* what) {
+    if (aborted_ || closed_) throw PeerError(prefix() + ": the transport is closed");
+    SegHeader* h = me_hdr();
+    for (;;) {
+      if (pump() && done()) return;
+      if (done()) return;
+      auto spin_until = Clock::now() + std::chrono::microseconds(o_.spin_us);
+      bool moved = false;
+      while (Clock::now() < spin_until) {
+        if (pump()) {
+          moved = true;
+          break;
+        }
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+      }
+      if (moved) continue;
+      check_peers();
+      if (Clock::now() >= deadline_) fail_timeout(what);
+      // Sleep until a peer rings (or 50 ms pass: peers' deaths are noticed by polling).
+      h->sleeping.store(1, std::memory_order_seq_cst);
+      uint32_t bell = h->doorbell.load(std::memory_order_seq_cst);
+      if (!pump() && !done()) {  // re-check after announcing the sleep: no wake-up is lost
+        auto left = std::min<Clock::duration>(deadline_ - Clock::now(), std::chrono::milliseconds(50));
+        if (left > Clock::duration::zero()) {
+          timespec ts{0, static_cast<long>(std::chrono::duration_cast<std::chrono::nanoseconds>(left).count())};
+          futex(&h->doorbell, FUTEX_WAIT, bell, &ts);
+        }
+      }
+      h->sleeping.store(0, std::memory_order_relaxed);
+    }
+  }
+
+  void barrier(const char* what) {
+    ++stage_;
+    SegHeader* h = me_hdr();
+    h->stage.store(stage_, std::memory_order_release);
+    ring_all();
+    wait_until([&] {
+      for (int p = 0; p < o_.size; ++p) {
+        if (segs_[static_cast<size_t>(p)].hdr->stage.load(std::memory_order_acquire) < stage_) return false;
+      }
+      return true;
+    }, what);
+  }
+
+  [[noreturn]] void fail_timeout(const char* what) {
+    std::ostringstream out;
+    out << prefix() << ": timed out after " << net::format_duration(Clock::now() - start_) << " waiting for";
+    const char* sep = " ";
+    for (int p = 0; p < o_.size; ++p) {
+      if (p == o_.rank) continue;
+      bool waiting = !recvs_[static_cast<size_t>(p)].empty() || !sends_[static_cast<size_t>(p)].empty() ||
+                     segs_[static_cast<size_t>(p)].hdr->stage.load() < stage_;
+      if (waiting) {
+        out << sep << peer_name(p);
+        sep = ", ";
+      }
+    }
+    out << " (" << what << "). The peer may be stuck or slower, or may be calling a different collective; "
+           "if it is legitimately slow, raise the timeout in the group's Options";
+    throw TimeoutError(out.str());
+  }
+
+  ShmOptions o_;
+  size_t ring_bytes_ = 0, coll_half_ = 0, header_bytes_ = 0, rings_off_ = 0, ring_stride_ = 0, coll_off_ = 0,
+         seg_bytes_ = 0;
+  std::string name_;
+  bool named_ = false;
+  std::vector<Segment> segs_;
+  std::vector<int> pidfds_;
+  std::vector<std::deque<SendItem>> sends_;
+  std::vector<std::deque<RecvItem>> recvs_;
+  std::unordered_set<Ticket> pending_;
+  Ticket next_ = 1;
+  uint64_t stage_ = 0;
+  wire::Call call_;
+  Clock::time_point start_ = Clock::now();
+  Deadline deadline_ = Deadline::max();
+  bool aborted_ = false;
+  bool closed_ = false;
+};
+
+}  // namespace
+
+std::string host_identity() {
+  char host[256] = {0};
+  ::gethostname(host, sizeof(host) - 1);
+  struct stat st {};
+  std::string ipc = ::stat("/proc/self/ns/ipc", &st) == 0 ? std::to_string(st.st_ino) : "?";
+  return read_first_line("/proc/sys/kernel/random/boot_id") + "/" + host + "/ipc:" + ipc;
+}
+
+std::unique_ptr<Transport> make_shm_transport(const ShmOptions& options) {
+  if (options.store == nullptr) throw UsageError("make_shm_transport: a store is required");
+  auto t = std::make_unique<ShmTransport>(options);
+  t->setup();
+  return t;
+}
+
+}  // namespace chorus::transport

@@ -1,0 +1,179 @@
+#!/bin/bash
+# Two hosts on one machine: two network namespaces joined by a veth pair, one `chorus run` in each
+# (--nnodes 2 --nproc-per-node 1), training Fashion-MNIST for a few steps over the veth.
+#
+#   two_hosts_test.sh CHORUS FASHION_MNIST
+#
+# Each host also gets its own hostname and IPC namespace, so that nothing can tell the two apart
+# from two machines (chorus picks shared memory only for ranks with the same hostname and IPC
+# namespace). Host A (node 0) hosts the rendezvous store at A's veth address; its own worker reaches the store
+# by that address too, so every worker advertises a veth address for its transport connections.
+# Checks: both launchers exit 0 within the timeout; rank 0's metrics say world_size 2 and the
+# steps asked for; a transport connection (not the store's) was seen established from B to A's
+# address; and the veth carried at least steps x gradient bytes each way (a W=2 ring allreduce of
+# N bytes sends N bytes each way), so the gradients really went between the namespaces.
+#
+# Needs root and `ip netns`; exits 77 (skip) where the namespaces or the veth cannot be made.
+# Everything it makes (namespaces, veth, processes, files) is removed on every exit.
+set -euo pipefail
+
+if [[ $# -ne 2 ]]; then
+  echo "usage: $0 CHORUS FASHION_MNIST" >&2
+  exit 2
+fi
+CHORUS=$(realpath "$1")
+FASHION_MNIST=$(realpath "$2")
+STEPS=5
+TIMEOUT_S=120
+
+skip() {
+  echo "SKIP: $*"
+  exit 77
+}
+fail() {
+  echo "FAIL: $*"
+  exit 1
+}
+
+[[ $(id -u) -eq 0 ]] || skip "needs root to make network namespaces (ip netns); running as uid $(id -u)"
+command -v ip >/dev/null || skip "ip (iproute2) is not installed"
+command -v ss >/dev/null || skip "ss (iproute2) is not installed"
+unshare --uts --ipc true 2>/dev/null || skip "cannot make UTS and IPC namespaces (unshare --uts --ipc)"
+[[ -x $CHORUS ]] || fail "no executable chorus at $CHORUS"
+[[ -x $FASHION_MNIST ]] || fail "no executable fashion_mnist at $FASHION_MNIST"
+
+# Unique per run: names carry our pid, the subnet a random octet.
+NS_A=chorus_a_$$
+NS_B=chorus_b_$$
+VETH_A=chva$$  # interface names: at most 15 characters
+VETH_B=chvb$$
+OCTET=$((RANDOM % 254 + 1))
+ADDR_A=10.77.$OCTET.1
+ADDR_B=10.77.$OCTET.2
+PORT=$((29000 + RANDOM % 1000))  # fresh namespaces: nothing else listens there
+WORK=$(mktemp -d /tmp/chorus-netns-XXXXXX)
+PIDS=()
+MADE_A=0
+MADE_B=0
+
+cleanup() {
+  local rc=$?
+  set +e
+  for pid in "${PIDS[@]}"; do
+    kill -TERM "$pid" 2>/dev/null  # timeout forwards it to chorus run, which forwards it to its worker
+  done
+  sleep 0.2
+  # Whatever still runs inside our namespaces was started by this script.
+  for ns in "$NS_A" "$NS_B"; do
+    if ip netns list 2>/dev/null | grep -qw "$ns"; then
+      ip netns pids "$ns" 2>/dev/null | xargs -r kill -KILL 2>/dev/null
+    fi
+  done
+  for pid in "${PIDS[@]}"; do
+    wait "$pid" 2>/dev/null
+  done
+  ip link del "$VETH_A" 2>/dev/null  # only there if moving it into a namespace failed
+  [[ $MADE_A -eq 1 ]] && ip netns del "$NS_A"
+  [[ $MADE_B -eq 1 ]] && ip netns del "$NS_B"
+  rm -rf "$WORK"
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM HUP
+
+ip netns add "$NS_A" 2>"$WORK/err" || skip "cannot make a network namespace: $(cat "$WORK/err")"
+MADE_A=1
+ip netns add "$NS_B" 2>"$WORK/err" || skip "cannot make a second network namespace: $(cat "$WORK/err")"
+MADE_B=1
+ip link add "$VETH_A" type veth peer name "$VETH_B" 2>"$WORK/err" || skip "cannot make a veth pair: $(cat "$WORK/err")"
+ip link set "$VETH_A" netns "$NS_A"
+ip link set "$VETH_B" netns "$NS_B"
+ip -n "$NS_A" addr add "$ADDR_A/24" dev "$VETH_A"
+ip -n "$NS_B" addr add "$ADDR_B/24" dev "$VETH_B"
+for ns in "$NS_A" "$NS_B"; do
+  ip -n "$ns" link set lo up
+done
+ip -n "$NS_A" link set "$VETH_A" up
+ip -n "$NS_B" link set "$VETH_B" up
+echo "hosts: $NS_A ($ADDR_A, node 0, store at $ADDR_A:$PORT) and $NS_B ($ADDR_B, node 1)"
+
+veth_bytes() {  # veth_bytes tx|rx: bytes through A's end of the veth
+  ip netns exec "$NS_A" cat "/sys/class/net/$VETH_A/statistics/${1}_bytes"
+}
+TX0=$(veth_bytes tx)
+RX0=$(veth_bytes rx)
+
+launch() {  # launch NS NODE_RANK NAME: its own hostname and IPC namespace too, as on another machine
+  # shellcheck disable=SC2016 # the inner bash expands $0 and $@
+  (cd "$WORK" && exec ip netns exec "$1" unshare --uts --ipc /bin/bash -c 'hostname "${0//_/-}" && exec "$@"' "$1" \
+    timeout "$TIMEOUT_S" "$CHORUS" run --nnodes 2 --node-rank "$2" \
+    --rdzv-endpoint "$ADDR_A:$PORT" --nproc-per-node 1 \
+    "$FASHION_MNIST" --max-steps "$STEPS" --eval-limit 200 --no-checkpoint --metrics-json "$WORK/$3.json") \
+    >"$WORK/$3.log" 2>&1 &
+  PIDS+=($!)
+}
+launch "$NS_A" 0 A
+PID_A=$!
+launch "$NS_B" 1 B
+PID_B=$!
+
+# While the job runs, note the TCP connections B has established to A.
+(
+  while kill -0 "$PID_A" 2>/dev/null || kill -0 "$PID_B" 2>/dev/null; do
+    ip netns exec "$NS_B" ss -Htn state established dst "$ADDR_A" 2>/dev/null || true
+    sleep 0.1
+  done
+) >"$WORK/connections" &
+PIDS+=($!)
+SAMPLER=$!
+
+declare -A RC=([A]=0 [B]=0)
+wait "$PID_A" || RC[A]=$?
+wait "$PID_B" || RC[B]=$?
+wait "$SAMPLER" || true
+
+show_logs() {
+  local n
+  for n in A B; do
+    echo "--- node $n ($([[ $n == A ]] && echo "$NS_A" || echo "$NS_B")) output, last 30 lines:"
+    tail -n 30 "$WORK/$n.log" | sed 's/^/    | /'
+  done
+}
+for n in A B; do
+  rc=${RC[$n]}
+  if [[ $rc -ne 0 ]]; then
+    show_logs
+    [[ $rc -eq 124 ]] && fail "node $n's chorus run did not finish within $TIMEOUT_S s"
+    fail "node $n's chorus run exited with status $rc"
+  fi
+done
+echo "both launchers exited 0"
+
+# Rank 0 (node A) writes the metrics; rank 1's --metrics-json is ignored by the program.
+read -r WORLD DONE_STEPS GRAD_BYTES < <(python3 -c '
+import json, sys
+m = json.load(open(sys.argv[1]))
+print(m["world_size"], m["steps"], m["ddp"]["gradient_bytes"])' "$WORK/A.json") ||
+  { show_logs; fail "no readable metrics in $WORK/A.json"; }
+[[ $WORLD -eq 2 ]] || fail "metrics: world_size $WORLD, expected 2"
+[[ $DONE_STEPS -eq $STEPS ]] || fail "metrics: $DONE_STEPS steps, expected $STEPS"
+echo "metrics: world_size $WORLD, $DONE_STEPS steps, $GRAD_BYTES gradient bytes per step"
+
+# Transport connections: from B's address to A's address on a port other than the store's.
+# (`ss state established` prints Recv-Q Send-Q Local Peer.)
+TRANSPORT=$(awk -v a="$ADDR_A:" -v s="$ADDR_A:$PORT" 'index($4, a) == 1 && $4 != s {print $3 " -> " $4}' \
+  "$WORK/connections" | sort -u)
+STORE=$(awk -v s="$ADDR_A:$PORT" '$4 == s {print $3 " -> " $4}' "$WORK/connections" | sort -u)
+[[ -n $STORE ]] || fail "no store connection from $NS_B to $ADDR_A:$PORT was seen (sampled with ss every 0.1 s)"
+[[ -n $TRANSPORT ]] || fail "no transport connection from $NS_B to $ADDR_A was seen (sampled with ss every 0.1 s); \
+store connections seen: $STORE"
+echo "store connections B -> A: ${STORE//$'\n'/, }"
+echo "transport connections B -> A: ${TRANSPORT//$'\n'/, }"
+
+TX=$(($(veth_bytes tx) - TX0))
+RX=$(($(veth_bytes rx) - RX0))
+NEED=$((STEPS * GRAD_BYTES))
+echo "veth $VETH_A carried $TX bytes A->B and $RX bytes B->A (the allreduces alone need >= $NEED each way)"
+[[ $TX -ge $NEED && $RX -ge $NEED ]] || fail "too little traffic over the veth: the gradients did not go between the namespaces"
+echo "PASS"
