@@ -190,16 +190,33 @@ void check_alltoall(ProcessGroup& pg, DataType t, size_t count) {
   expect_equal(label("alltoall", t, count), t, out.p, want.p, count * n);
 }
 
-ProcessGroupOptions test_options(size_t segment_bytes, size_t small_bytes) {
+// One instance of the suite: a transport, a world size, and for "hybrid" how many simulated hosts
+// the ranks are split into (ranks [h*W/H, (h+1)*W/H) share host h and its shared memory).
+struct SuiteSetup {
+  std::string transport;
+  int world;
+  int hosts;
+};
+
+ProcessGroupOptions test_options(const SuiteSetup& setup, int rank, size_t segment_bytes, size_t small_bytes,
+                                 bool tiny_shm_chunks) {
   ProcessGroupOptions o;
   o.timeout = std::chrono::seconds(20);
+  o.transport = setup.transport;
+  o.host_id = "test-host-" + std::to_string(rank * setup.hosts / setup.world);
   o.segment_bytes = segment_bytes;  // tiny segments reach the multi-segment ring paths
   o.small_allreduce_bytes = small_bytes;
+  if (tiny_shm_chunks) {  // and tiny shared-memory chunks the multi-chunk paths
+    o.shm_chunk_bytes = 4096;
+    o.shm_small_bytes = 64;
+  }
   return o;
 }
 
-void conformance(int rank, int world) {
-  auto pg = connect_process_group("env://", rank, world, test_options(96, 64));
+void conformance(const SuiteSetup& setup, int rank, int world) {
+  auto pg = connect_process_group("env://", rank, world, test_options(setup, rank, 96, 64, true));
+  const std::string want = world == 1 ? "tcp" : setup.transport;
+  if (pg->transport() != want) throw std::runtime_error("transport is " + pg->transport() + ", not " + want);
   for (DataType t : kAllTypes) {
     for (size_t count : sizes_for(world)) {
       for (ReduceOp op : kAllOps) {
@@ -219,19 +236,19 @@ void conformance(int rank, int world) {
   pg->barrier()->wait();
 }
 
-class Conformance : public ::testing::TestWithParam<int> {};
+class Conformance : public ::testing::TestWithParam<SuiteSetup> {};
 
 TEST_P(Conformance, EveryCollectiveDtypeOpAndSize) {
-  const int world = GetParam();
-  EXPECT_EQ(testing::run_ranks(world, [](int rank, int w, std::shared_ptr<Store>) { conformance(rank, w); },
+  const SuiteSetup setup = GetParam();
+  EXPECT_EQ(testing::run_ranks(setup.world, [&](int rank, int w, std::shared_ptr<Store>) { conformance(setup, rank, w); },
                                std::chrono::seconds(240)),
             "");
 }
 
 TEST_P(Conformance, DefaultTuningLargeBuffers) {
-  const int world = GetParam();
-  EXPECT_EQ(testing::run_ranks(world, [](int rank, int w, std::shared_ptr<Store>) {
-    auto pg = connect_process_group("env://", rank, w, test_options(1 << 20, 256 << 10));
+  const SuiteSetup setup = GetParam();
+  EXPECT_EQ(testing::run_ranks(setup.world, [&](int rank, int w, std::shared_ptr<Store>) {
+    auto pg = connect_process_group("env://", rank, w, test_options(setup, rank, 1 << 20, 256 << 10, false));
     for (size_t count : {size_t{65536}, size_t{(1 << 20) + 3}}) {
       check_allreduce(*pg, DataType::kFloat32, ReduceOp::kSum, count);
       check_allreduce(*pg, DataType::kBFloat16, ReduceOp::kAvg, count);
@@ -243,9 +260,9 @@ TEST_P(Conformance, DefaultTuningLargeBuffers) {
 }
 
 TEST_P(Conformance, PointToPointObjectsAndSubgroups) {
-  const int world = GetParam();
-  EXPECT_EQ(testing::run_ranks(world, [](int rank, int w, std::shared_ptr<Store>) {
-    auto pg = connect_process_group("env://", rank, w, test_options(96, 64));
+  const SuiteSetup setup = GetParam();
+  EXPECT_EQ(testing::run_ranks(setup.world, [&](int rank, int w, std::shared_ptr<Store>) {
+    auto pg = connect_process_group("env://", rank, w, test_options(setup, rank, 96, 64, true));
     // Ring of sends with tags, both directions queued before waiting.
     if (w > 1) {
       const int next = (rank + 1) % w, prev = (rank - 1 + w) % w;
@@ -299,8 +316,22 @@ TEST_P(Conformance, PointToPointObjectsAndSubgroups) {
   }, std::chrono::seconds(60)), "");
 }
 
-INSTANTIATE_TEST_SUITE_P(WorldSizes, Conformance, ::testing::Values(1, 2, 3, 4, 5, 8),
-                         [](const auto& info) { return "W" + std::to_string(info.param); });
+std::vector<SuiteSetup> setups() {
+  std::vector<SuiteSetup> out;
+  for (int w : {1, 2, 3, 4, 5, 8}) {
+    out.push_back({"tcp", w, 1});
+    out.push_back({"shm", w, 1});
+    // Two simulated hosts: 1+1 (TCP only), 1+2 and 2+3 (uneven: through the leaders), 2+2 and
+    // 4+4 (even: one rail per local rank).
+    if (w > 1) out.push_back({"hybrid", w, 2});
+  }
+  out.push_back({"hybrid", 6, 3});  // three hosts of two
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, Conformance, ::testing::ValuesIn(setups()), [](const auto& info) {
+  return info.param.transport + "_W" + std::to_string(info.param.world) + "_hosts" + std::to_string(info.param.hosts);
+});
 
 }  // namespace
 }  // namespace chorus

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -245,6 +246,56 @@ struct ProcessGroup::Impl final : InlineRunner {
   }
 };
 
+namespace {
+
+// The transport `options` ask for; "auto" looks at which ranks share a host.
+std::unique_ptr<transport::Transport> make_transport(Store* store, const transport::TcpOptions& to,
+                                                     const ProcessGroupOptions& options, int size) {
+  const std::string mine = options.host_id.empty() ? transport::host_identity() : options.host_id;
+  std::string kind = options.transport;
+  if (size == 1) kind = "tcp";  // nothing to connect
+  if (kind == "auto") {
+    const auto ids = transport::exchange_host_ids(*store, to.key_prefix + "/auto", to.rank, size, mine, to.deadline);
+    std::map<std::string, int> per_host;
+    for (const auto& id : ids) ++per_host[id];
+    bool even = true, shared = false;
+    for (const auto& [id, n] : per_host) {
+      even = even && n == per_host.begin()->second;
+      shared = shared || n > 1;
+    }
+    kind = per_host.size() == 1 ? "shm" : (even && shared ? "hybrid" : "tcp");
+  }
+  // Spinning on an oversubscribed host takes the core the peer needs.
+  const int spin_us = static_cast<unsigned>(size) <= std::thread::hardware_concurrency() ? 50 : 0;
+  transport::ShmOptions so;
+  so.host_id = mine;
+  so.group_name = options.group_name;
+  so.token = options.token;
+  so.deadline = to.deadline;
+  so.collective_bytes = options.shm_chunk_bytes;
+  so.small_bytes = options.shm_small_bytes;
+  so.spin_us = spin_us;
+  if (kind == "shm") {
+    so.store = store;
+    so.key_prefix = to.key_prefix;
+    so.rank = to.rank;
+    so.size = size;
+    return transport::make_shm_transport(so);
+  }
+  if (kind == "hybrid") {
+    transport::HybridOptions ho;
+    ho.tcp = to;
+    ho.shm = so;
+    ho.host_id = mine;
+    ho.segment_bytes = options.segment_bytes;
+    ho.small_allreduce_bytes = options.small_allreduce_bytes;
+    return transport::make_hybrid_transport(ho);
+  }
+  return transport::make_tcp_transport(to);
+}
+
+}  // namespace
+
 ProcessGroup::ProcessGroup(std::shared_ptr<Store> store, int rank, int size, ProcessGroupOptions options)
     : impl_(std::make_unique<Impl>()) {
   if (!store) throw UsageError("chorus: ProcessGroup needs a store");
@@ -252,8 +303,9 @@ ProcessGroup::ProcessGroup(std::shared_ptr<Store> store, int rank, int size, Pro
     throw UsageError("chorus: invalid rank " + std::to_string(rank) + " for world size " + std::to_string(size) +
                      "; rank must be in [0, world_size)");
   }
-  if (options.transport != "tcp" && options.transport != "shm" && options.transport != "auto") {
-    throw UsageError("chorus: unknown transport '" + options.transport + "'; available: tcp, shm, auto");
+  if (options.transport != "tcp" && options.transport != "shm" && options.transport != "hybrid" &&
+      options.transport != "auto") {
+    throw UsageError("chorus: unknown transport '" + options.transport + "'; available: tcp, shm, hybrid, auto");
   }
   Impl& m = *impl_;
   m.store = std::move(store);
@@ -280,32 +332,7 @@ ProcessGroup::ProcessGroup(std::shared_ptr<Store> store, int rank, int size, Pro
     to.spin_us = static_cast<unsigned>(size) <= std::thread::hardware_concurrency() ? 20 : 0;
   }
   try {
-    std::string kind = options.transport;
-    if (kind == "auto") {
-      // Shared memory when every rank is on this host (same boot, hostname and IPC namespace).
-      const std::string mine = transport::host_identity();
-      m.store->set(to.key_prefix + "/host/" + std::to_string(rank), mine);
-      kind = "shm";
-      for (int r = 0; r < size && size > 1; ++r) {
-        const std::string key = to.key_prefix + "/host/" + std::to_string(r);
-        m.store->wait({key}, options.timeout);
-        if (m.store->get(key) != mine) kind = "tcp";
-      }
-    }
-    if (kind == "shm" && size > 1) {
-      transport::ShmOptions so;
-      so.store = m.store.get();
-      so.key_prefix = to.key_prefix;
-      so.group_name = options.group_name;
-      so.rank = rank;
-      so.size = size;
-      so.token = options.token;
-      so.deadline = to.deadline;
-      so.spin_us = static_cast<unsigned>(size) <= std::thread::hardware_concurrency() ? 50 : 0;
-      m.transport = transport::make_shm_transport(so);
-    } else {
-      m.transport = transport::make_tcp_transport(to);
-    }
+    m.transport = make_transport(m.store.get(), to, options, size);
   } catch (const std::exception& e) {
     // Name the rank and group on every setup error (store, connect, handshake, accept).
     const std::string what = e.what();
@@ -333,6 +360,7 @@ void ProcessGroup::shutdown() {
 
 int ProcessGroup::rank() const { return impl_->rank; }
 int ProcessGroup::size() const { return impl_->size; }
+std::string ProcessGroup::transport() const { return impl_->transport->kind(); }
 const ProcessGroupOptions& ProcessGroup::options() const { return impl_->opts; }
 
 using algo::Scratch;

@@ -121,7 +121,7 @@ struct Segment {
   }
 };
 
-class ShmTransport final : public Transport {
+class ShmTransport final : public ShmTransportApi {
  public:
   ShmTransport(const ShmOptions& o) : o_(o) {}
 
@@ -130,7 +130,7 @@ class ShmTransport final : public Transport {
   void setup() {
     const int n = o_.size;
     ring_bytes_ = align_up(std::max<size_t>(o_.ring_bytes, 4096), 64);
-    coll_half_ = align_up(std::max<size_t>(o_.collective_bytes, 4096), 64);
+    coll_half_ = shm_chunk_bytes(o_);
     header_bytes_ = align_up(sizeof(SegHeader), 4096);
     rings_off_ = header_bytes_;
     ring_stride_ = align_up(sizeof(RingCtl) + ring_bytes_, 64);
@@ -166,7 +166,7 @@ class ShmTransport final : public Transport {
     h->collective_bytes = coll_half_;
     h->magic = kSegMagic;
 
-    const std::string mine = host_identity();
+    const std::string mine = o_.host_id.empty() ? host_identity() : o_.host_id;
     o_.store->set(o_.key_prefix + "/shm/" + std::to_string(o_.rank), mine + "\n" + name_);
     for (int r = 0; r < n; ++r) {
       if (r == o_.rank) continue;
@@ -177,7 +177,7 @@ class ShmTransport final : public Transport {
       std::string host = v.substr(0, v.find('\n'));
       std::string peer_name = v.substr(v.find('\n') + 1);
       if (host != mine) {
-        throw UsageError(me() + ": transport 'shm' needs every rank on one host, but rank " + std::to_string(r) +
+        throw UsageError(me() + ": transport 'shm' needs every rank on one host, but rank " + std::to_string(global(r)) +
                          " is on another (" + host + " vs " + mine + "); use transport 'tcp' or 'auto'");
       }
       int pfd = ::shm_open(peer_name.c_str(), O_RDWR | O_CLOEXEC, 0600);
@@ -205,13 +205,16 @@ class ShmTransport final : public Transport {
     }
     recvs_.resize(static_cast<size_t>(n));
     sends_.resize(static_cast<size_t>(n));
+    inbox_.resize(static_cast<size_t>(n));
+    inbox_pos_.assign(static_cast<size_t>(n), 0);
   }
 
+  std::string kind() const override { return "shm"; }
   int rank() const override { return o_.rank; }
   int size() const override { return o_.size; }
   std::string peer_name(int peer) const override {
     const SegHeader* h = segs_[static_cast<size_t>(peer)].hdr;
-    return "rank " + std::to_string(peer) + " (pid " + std::to_string(h ? h->pid : -1) + ", shared memory)";
+    return "rank " + std::to_string(global(peer)) + " (pid " + std::to_string(h ? h->pid : -1) + ", shared memory)";
   }
 
   void begin(const wire::Call& call, Deadline deadline) override {
@@ -247,30 +250,82 @@ class ShmTransport final : public Transport {
   }
 
   bool native_allreduce(void* buf, size_t count, DataType dtype, ReduceOp op) override {
+    allreduce_with(buf, count, dtype, op, nullptr);
+    return true;
+  }
+
+  void allreduce_through_leader(void* buf, size_t count, DataType dtype, ReduceOp op, const SliceHook& between) override {
     const int n = o_.size;
     const size_t esz = element_size(dtype);
     const size_t chunk_elems = std::max<size_t>(1, coll_half_ / esz);
-    char* user = static_cast<char*>(buf);
     size_t done = 0;
     do {
       const size_t len = std::min(chunk_elems, count - done);
-      const int half = static_cast<int>(stage_ / 2 % 2);
-      std::memcpy(area(o_.rank, half), user + done * esz, len * esz);
+      char* mine = area(o_.rank, next_half());
+      const int half = half_;
+      char* chunk = static_cast<char*>(buf) + done * esz;
+      std::memcpy(mine, chunk, len * esz);
       barrier("to copy in its part of the buffer");
-      plan::Range s = plan::split(len, n, o_.rank);
-      char* acc = area(o_.rank, half) + s.offset * esz;
+      if (o_.rank == 0) {  // only rank 0 reads the areas until the next barrier
+        for (int k = 1; k < n; ++k) reduce::reduce_into(dtype, op, chunk, area(k, half), len);
+        between(chunk, len);
+        std::memcpy(mine, chunk, len * esz);
+      }
+      barrier("to receive the result from its host's leader");
+      if (o_.rank != 0) std::memcpy(chunk, area(0, half), len * esz);
+      done += len;
+    } while (done < count);
+  }
+
+  void allreduce_with(void* buf, size_t count, DataType dtype, ReduceOp op, const SliceHook& between) override {
+    const int n = o_.size;
+    const size_t esz = element_size(dtype);
+    char* user = static_cast<char*>(buf);
+    if (count * esz <= std::min(o_.small_bytes, coll_half_)) {
+      // Small: one barrier. Every rank publishes its whole buffer and reduces all of them, in
+      // rank order, so every rank computes the same bits.
+      char* mine = area(o_.rank, next_half());
+      const int half = half_;
+      std::memcpy(mine, user, count * esz);
+      barrier("to copy in its buffer");
+      std::memcpy(user, area(0, half), count * esz);
+      for (int k = 1; k < n; ++k) reduce::reduce_into(dtype, op, user, area(k, half), count);
+      if (between) between(user, count);
+      if (op == ReduceOp::kAvg) reduce::finish_avg(dtype, user, count, n);
+      return;
+    }
+    // Large, per chunk (reduce-scatter, then allgather, through the areas): every rank copies
+    // the other ranks' slices of its chunk into its area; reduces its own slice in place in its
+    // buffer, reading the peers' copies of it, and publishes the result in its area; then copies
+    // the other ranks' results out. Each rank moves 2(n-1)/n of the chunk across cores and never
+    // copies its own slice in or out.
+    const size_t chunk_elems = std::max<size_t>(1, coll_half_ / esz);
+    size_t done = 0;
+    do {
+      const size_t len = std::min(chunk_elems, count - done);
+      char* mine = area(o_.rank, next_half());
+      const int half = half_;
+      char* chunk = user + done * esz;
+      for (int k = 0; k < n; ++k) {
+        const plan::Range sk = plan::split(len, n, k);
+        if (k != o_.rank) std::memcpy(mine + sk.offset * esz, chunk + sk.offset * esz, sk.count * esz);
+      }
+      barrier("to copy in its part of the buffer");
+      const plan::Range s = plan::split(len, n, o_.rank);
+      char* acc = chunk + s.offset * esz;
       for (int k = 0; k < n; ++k) {
         if (k != o_.rank) reduce::reduce_into(dtype, op, acc, area(k, half) + s.offset * esz, s.count);
       }
+      if (between) between(acc, s.count);
       if (op == ReduceOp::kAvg) reduce::finish_avg(dtype, acc, s.count, n);
+      std::memcpy(mine + s.offset * esz, acc, s.count * esz);
       barrier("to reduce its slice");
       for (int k = 0; k < n; ++k) {
-        plan::Range sk = plan::split(len, n, k);
-        std::memcpy(user + (done + sk.offset) * esz, area(k, half) + sk.offset * esz, sk.count * esz);
+        const plan::Range sk = plan::split(len, n, k);
+        if (k != o_.rank) std::memcpy(chunk + sk.offset * esz, area(k, half) + sk.offset * esz, sk.count * esz);
       }
       done += len;
     } while (done < count);
-    return true;
   }
 
   void abort(const std::string& reason, uint8_t error_class) override {
@@ -314,7 +369,11 @@ class ShmTransport final : public Transport {
     s.hdr = static_cast<SegHeader*>(p);
   }
 
-  std::string me() const { return "chorus: rank " + std::to_string(o_.rank); }
+  std::string me() const { return "chorus: rank " + std::to_string(global(o_.rank)); }
+  // The rank in the whole group (different from the shared-memory rank inside a hybrid group).
+  int global(int local) const {
+    return o_.global_ranks.empty() ? local : o_.global_ranks.at(static_cast<size_t>(local));
+  }
   std::string prefix() const { return me() + ": " + wire::describe(call_); }
   SegHeader* me_hdr() const { return segs_.empty() ? nullptr : segs_[static_cast<size_t>(o_.rank)].hdr; }
   int check_peer(int peer) const {
@@ -392,6 +451,23 @@ class ShmTransport final : public Transport {
     return progressed;
   }
 
+  // Takes n bytes of the stream from `peer`: first what read_ahead() buffered, then the ring.
+  void take(int peer, uint64_t& tail, char* dst, size_t n) {
+    auto& inbox = inbox_[static_cast<size_t>(peer)];
+    size_t& pos = inbox_pos_[static_cast<size_t>(peer)];
+    const size_t buffered = std::min(n, inbox.size() - pos);
+    std::memcpy(dst, inbox.data() + pos, buffered);
+    pos += buffered;
+    if (pos == inbox.size()) {
+      inbox.clear();
+      pos = 0;
+    }
+    if (n > buffered) {
+      ring_read(peer, tail, dst + buffered, n - buffered);
+      tail += n - buffered;
+    }
+  }
+
   bool pump_recv(int peer) {
     auto& q = recvs_[static_cast<size_t>(peer)];
     bool progressed = false;
@@ -399,12 +475,15 @@ class ShmTransport final : public Transport {
     while (!q.empty()) {
       RecvItem& r = q.front();
       uint64_t tail = c->tail.v.load(std::memory_order_relaxed);
-      uint64_t head = c->head.v.load(std::memory_order_acquire);
-      size_t avail = static_cast<size_t>(head - tail);
+      const uint64_t head = c->head.v.load(std::memory_order_acquire);
+      size_t avail = static_cast<size_t>(head - tail) +
+                     (inbox_[static_cast<size_t>(peer)].size() - inbox_pos_[static_cast<size_t>(peer)]);
+      const uint64_t tail_before = tail;
+      bool moved = false;
       if (!r.have_header) {
         if (avail < sizeof(wire::Header)) break;
         wire::Header h;
-        ring_read(peer, tail, reinterpret_cast<char*>(&h), sizeof(h));
+        take(peer, tail, reinterpret_cast<char*>(&h), sizeof(h));
         if (h.magic != wire::kMessageMagic) {
           throw PeerError(prefix() + ": corrupt message from " + peer_name(peer) + " (bad magic)");
         }
@@ -418,19 +497,21 @@ class ShmTransport final : public Transport {
           throw MismatchError(prefix() + ": " + peer_name(peer) + " sent " + std::to_string(h.payload) +
                               " bytes where this rank expected " + std::to_string(r.n));
         }
-        tail += sizeof(h);
         avail -= sizeof(h);
         r.have_header = true;
+        moved = true;
       }
-      size_t k = std::min(avail, r.n - r.got);
+      const size_t k = std::min(avail, r.n - r.got);
       if (k > 0) {
-        ring_read(peer, tail, r.data + r.got, k);
-        tail += k;
+        take(peer, tail, r.data + r.got, k);
         r.got += k;
+        moved = true;
       }
-      c->tail.v.store(tail, std::memory_order_release);
-      progressed = true;
-      ring(peer);
+      if (tail != tail_before) {
+        c->tail.v.store(tail, std::memory_order_release);
+        ring(peer);
+      }
+      progressed |= moved;
       if (r.got < r.n) break;
       pending_.erase(r.ticket);
       q.pop_front();
@@ -438,14 +519,45 @@ class ShmTransport final : public Transport {
     return progressed;
   }
 
+  // Moves what `peer` has written into its ring into this rank's inbox for it, so that a peer
+  // blocked on a full ring moves on while this rank is itself blocked sending (two ranks that
+  // send to each other before receiving, or a ring of such sends, would otherwise deadlock).
+  bool read_ahead(int peer) {
+    RingCtl* c = ring_ctl(peer, o_.rank);
+    const uint64_t tail = c->tail.v.load(std::memory_order_relaxed);
+    const uint64_t head = c->head.v.load(std::memory_order_acquire);
+    const size_t k = static_cast<size_t>(head - tail);
+    if (k == 0) return false;
+    auto& inbox = inbox_[static_cast<size_t>(peer)];
+    const size_t old = inbox.size();
+    inbox.resize(old + k);
+    ring_read(peer, tail, inbox.data() + old, k);
+    c->tail.v.store(tail + k, std::memory_order_release);
+    ring(peer);
+    return true;
+  }
+
   bool pump() {
     bool progressed = false;
+    bool sending = false;
     for (int p = 0; p < o_.size; ++p) {
       if (p == o_.rank) continue;
       if (!sends_[static_cast<size_t>(p)].empty()) progressed |= pump_send(p);
+      sending = sending || !sends_[static_cast<size_t>(p)].empty();
       if (!recvs_[static_cast<size_t>(p)].empty()) progressed |= pump_recv(p);
     }
+    if (sending) {
+      for (int p = 0; p < o_.size; ++p) {
+        if (p != o_.rank && recvs_[static_cast<size_t>(p)].empty()) progressed |= read_ahead(p);
+      }
+    }
     return progressed;
+  }
+
+  // Whether this rank still needs something from `peer` to finish what it is waiting for.
+  bool waiting_on(int peer) const {
+    return !recvs_[static_cast<size_t>(peer)].empty() || !sends_[static_cast<size_t>(peer)].empty() ||
+           (in_barrier_ && segs_[static_cast<size_t>(peer)].hdr->stage.load(std::memory_order_acquire) < stage_);
   }
 
   // Peers' failures, departures and disagreements, checked whenever this rank is about to sleep.
@@ -475,13 +587,18 @@ class ShmTransport final : public Transport {
           }
         }
       }
+      if (!waiting_on(p)) continue;  // a peer that finished and left owes this rank nothing
+      int fd = pidfds_[static_cast<size_t>(p)];
+      pollfd pfd{fd, POLLIN, 0};
+      const bool dead = fd >= 0 ? (::poll(&pfd, 1, 0) > 0) : (::kill(h->pid, 0) != 0 && errno == ESRCH);
+      if (st != kClosed && !dead) continue;
+      // It left: take what it wrote before it went, and fail only if that is not enough.
+      pump();
+      if (!waiting_on(p)) continue;
       if (st == kClosed) {
         throw PeerError(prefix() + ": peer " + peer_name(p) + " has closed its process group (it finished or "
                         "destroyed the group) but this operation still needs it");
       }
-      int fd = pidfds_[static_cast<size_t>(p)];
-      pollfd pfd{fd, POLLIN, 0};
-      bool dead = fd >= 0 ? (::poll(&pfd, 1, 0) > 0) : (::kill(h->pid, 0) != 0 && errno == ESRCH);
       if (dead) {
         throw PeerError(prefix() + ": peer " + peer_name(p) + " died (its process is gone) [after " +
                         net::format_duration(Clock::now() - start_) + "]");
@@ -499,7 +616,7 @@ class ShmTransport final : public Transport {
       auto spin_until = Clock::now() + std::chrono::microseconds(o_.spin_us);
       bool moved = false;
       while (Clock::now() < spin_until) {
-        if (pump()) {
+        if (pump() || done()) {
           moved = true;
           break;
         }
@@ -524,11 +641,24 @@ class ShmTransport final : public Transport {
     }
   }
 
+  // The collective areas alternate halves chunk by chunk (across calls too): a rank copies into
+  // half h only after the barrier that follows its previous copy-in, which every rank passes only
+  // once it has finished reading the chunk before, the last one that used h.
+  int next_half() {
+    half_ = static_cast<int>(chunks_++ % 2);
+    return half_;
+  }
+
   void barrier(const char* what) {
     ++stage_;
     SegHeader* h = me_hdr();
     h->stage.store(stage_, std::memory_order_release);
     ring_all();
+    in_barrier_ = true;
+    struct Reset {
+      bool& flag;
+      ~Reset() { flag = false; }
+    } reset{in_barrier_};
     wait_until([&] {
       for (int p = 0; p < o_.size; ++p) {
         if (segs_[static_cast<size_t>(p)].hdr->stage.load(std::memory_order_acquire) < stage_) return false;
@@ -567,6 +697,11 @@ class ShmTransport final : public Transport {
   std::unordered_set<Ticket> pending_;
   Ticket next_ = 1;
   uint64_t stage_ = 0;
+  uint64_t chunks_ = 0;
+  bool in_barrier_ = false;
+  std::vector<std::vector<char>> inbox_;  // per peer: bytes read ahead of a posted receive
+  std::vector<size_t> inbox_pos_;
+  int half_ = 0;
   wire::Call call_;
   Clock::time_point start_ = Clock::now();
   Deadline deadline_ = Deadline::max();
@@ -576,6 +711,10 @@ class ShmTransport final : public Transport {
 
 }  // namespace
 
+size_t shm_chunk_bytes(const ShmOptions& options) {
+  return align_up(std::max<size_t>(options.collective_bytes, 4096), 64);
+}
+
 std::string host_identity() {
   char host[256] = {0};
   ::gethostname(host, sizeof(host) - 1);
@@ -584,7 +723,7 @@ std::string host_identity() {
   return read_first_line("/proc/sys/kernel/random/boot_id") + "/" + host + "/ipc:" + ipc;
 }
 
-std::unique_ptr<Transport> make_shm_transport(const ShmOptions& options) {
+std::unique_ptr<ShmTransportApi> make_shm_transport(const ShmOptions& options) {
   if (options.store == nullptr) throw UsageError("make_shm_transport: a store is required");
   auto t = std::make_unique<ShmTransport>(options);
   t->setup();

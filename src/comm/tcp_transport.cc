@@ -53,6 +53,7 @@ class TcpTransport final : public Transport {
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
+  std::string kind() const override { return "tcp"; }
   std::string peer_name(int peer) const override {
     const Conn& c = conns_[static_cast<size_t>(peer)];
     return "rank " + std::to_string(peer) + " (" + (c.addr.empty() ? "?" : c.addr) + ")";

@@ -13,8 +13,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "message.h"
 #include "socket.h"
@@ -49,6 +51,8 @@ class Transport {
  public:
   virtual ~Transport() = default;
 
+  // "tcp", "shm" or "hybrid": what ProcessGroup::transport() reports.
+  virtual std::string kind() const = 0;
   virtual int rank() const = 0;
   virtual int size() const = 0;
   // "rank 3 (10.0.0.2:41234)": how errors name a peer.
@@ -108,6 +112,8 @@ std::unique_ptr<Transport> make_tcp_transport(const TcpOptions& options);
 
 struct ShmOptions {
   Store* store = nullptr;
+  std::string host_id;                // this rank's host ("" = host_identity()); all ranks must agree
+  std::vector<int> global_ranks;      // for messages: the whole group's rank of each shm rank
   std::string key_prefix;
   std::string group_name;
   int rank = 0;
@@ -115,14 +121,52 @@ struct ShmOptions {
   std::string token;
   net::Deadline deadline;
   size_t ring_bytes = 256 << 10;      // per ordered pair of ranks, for point-to-point messages
-  size_t collective_bytes = 4 << 20;  // per rank, twice (double-buffered), for native allreduce
+  size_t collective_bytes = 2 << 20;  // per rank, twice (double-buffered): native allreduce's chunk
+  size_t small_bytes = 16 << 10;      // native allreduce up to this size: one barrier, all ranks reduce all
   int spin_us = 50;                   // busy-wait this long before sleeping on a futex
+};
+
+// Called by a hierarchical allreduce between the reduction of this rank's slice of a chunk within
+// the host and its publication to the host's other ranks: it must turn `slice` (count elements)
+// into the reduction across hosts. Every rank of the host calls it once per chunk, in order.
+using SliceHook = std::function<void(void* slice, size_t count)>;
+
+// The shared-memory transport's own interface, for the hybrid transport.
+class ShmTransportApi : public Transport {
+ public:
+  // native_allreduce with `between` run on this rank's reduced slice of every chunk. `op` must
+  // not be kAvg when `between` is set (the caller divides by the whole world once at the end).
+  virtual void allreduce_with(void* buf, size_t count, DataType dtype, ReduceOp op, const SliceHook& between) = 0;
+  // Rank 0 of the host reduces each whole chunk, runs `between` on it, and hands the result to the
+  // others: for hosts with different numbers of ranks, where only the leaders talk across hosts.
+  virtual void allreduce_through_leader(void* buf, size_t count, DataType dtype, ReduceOp op,
+                                        const SliceHook& between) = 0;
 };
 
 // Ranks on one host: each maps every rank's segment (created in /dev/shm, unlinked as soon as all
 // have mapped it, so nothing is left behind even after SIGKILL). Throws UsageError when the ranks
 // are not all on this host (host identity = boot id + hostname + IPC namespace, via the store).
-std::unique_ptr<Transport> make_shm_transport(const ShmOptions& options);
+std::unique_ptr<ShmTransportApi> make_shm_transport(const ShmOptions& options);
+
+struct HybridOptions {
+  TcpOptions tcp;      // every rank, all hosts: point-to-point and the generic algorithms
+  ShmOptions shm;      // filled in per host by make_hybrid_transport (rank, size, key prefix)
+  std::string host_id; // this rank's host ("" = host_identity())
+  size_t segment_bytes = 1 << 20;            // for the cross-host allreduce (algo::Tuning)
+  size_t small_allreduce_bytes = 256 << 10;  // likewise
+};
+
+// Several hosts: TCP between all ranks, shared memory within a host, and a hierarchical native
+// allreduce (one rail per local rank when every host has as many ranks, else through each host's
+// leader). Collective: every rank of the group calls it.
+std::unique_ptr<Transport> make_hybrid_transport(const HybridOptions& options);
+
+// Every rank's host id, exchanged through the store under key_prefix (collective).
+std::vector<std::string> exchange_host_ids(Store& store, const std::string& key_prefix, int rank, int size,
+                                           const std::string& mine, net::Deadline deadline);
+
+// The native allreduce's chunk (each half of a rank's collective area), in bytes.
+size_t shm_chunk_bytes(const ShmOptions& options);
 
 // This host's identity for deciding which ranks can share memory.
 std::string host_identity();

@@ -146,6 +146,9 @@ void rank_main(const BenchArgs& a, int rank, int world) {
   ProcessGroupOptions o;
   o.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
   o.transport = a.transport;
+  if (a.hosts > 1) {  // a simulated split: ranks [h*W/K, (h+1)*W/K) form host h
+    o.host_id = "bench-host-" + std::to_string(static_cast<long long>(rank) * a.hosts / world);
+  }
   o.segment_bytes = a.segment_bytes;
   o.small_allreduce_bytes = a.small_bytes;
   o.socket_buffer_bytes = a.socket_buffer;
@@ -154,8 +157,8 @@ void rank_main(const BenchArgs& a, int rank, int world) {
   nlohmann::json records = nlohmann::json::array();
   bool all_correct = true;
   if (rank == 0 && !a.quiet) {
-    std::printf("# chorus bench %s: world_size %d, transport %s, dtype float32, in place\n", a.op.c_str(), world,
-                a.transport.c_str());
+    std::printf("# chorus bench %s: world_size %d, transport %s (%s), dtype float32, in place\n", a.op.c_str(),
+                world, pg->transport().c_str(), a.transport.c_str());
     std::printf("# %10s %12s %8s %11s %11s %11s %11s %8s\n", "size", "count", "iters", "p50(us)", "p99(us)",
                 "algbw(GB/s)", "busbw(GB/s)", "correct");
     std::fflush(stdout);
@@ -219,7 +222,8 @@ void rank_main(const BenchArgs& a, int rank, int world) {
         std::fflush(stdout);
       }
       records.push_back({{"op", a.op},
-                         {"transport", a.transport},
+                         {"transport", pg->transport()},
+                         {"transport_requested", a.transport},
                          {"world_size", world},
                          {"bytes", static_cast<size_t>(moved)},
                          {"dtype", "float32"},
@@ -266,8 +270,11 @@ void add_bench_options(CLI::App& app, BenchArgs& a) {
   app.add_option("op", a.op, "collective to measure")
       ->check(CLI::IsMember({"allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "alltoall"}));
   app.add_option("-n,--world-size", a.world_size, "number of local ranks to start")->check(CLI::Range(1, 256));
-  app.add_option("--transport", a.transport, "transport: tcp, shm, or auto (shm within a host)")
-      ->check(CLI::IsMember({"tcp", "shm", "auto"}));
+  app.add_option("--transport", a.transport,
+                 "transport: tcp, shm, hybrid (shm within a host, tcp across), or auto (picks one of those)")
+      ->check(CLI::IsMember({"tcp", "shm", "hybrid", "auto"}));
+  app.add_option("--hosts", a.hosts, "split the local ranks into this many simulated hosts (for hybrid and auto)")
+      ->check(CLI::Range(1, 256));
   app.add_option("--sizes", a.sizes, "comma-separated sizes in bytes (K, M, G suffixes)");
   app.add_option("--iters", a.iters, "timed iterations per size (0 = about --seconds per size)");
   app.add_option("--warmup", a.warmup, "untimed iterations per size")->check(CLI::Range(1, 1000000));

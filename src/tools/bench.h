@@ -11,6 +11,7 @@ struct BenchArgs {
   std::string op = "allreduce";
   int world_size = 2;
   std::string transport = "tcp";
+  int hosts = 1;  // simulated hosts (ranks split evenly), for hybrid and auto
   std::string sizes = "4K,64K,1M,16M,64M";
   std::string dtype = "f32";
   int iters = 0;           // 0 = calibrate to about `seconds` per size

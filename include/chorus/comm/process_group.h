@@ -31,9 +31,19 @@ namespace chorus {
 
 struct ProcessGroupOptions {
   std::chrono::milliseconds timeout{300000};  // per operation; 5 minutes as in PyTorch
-  // "tcp"; "shm" (every rank on this host: shared memory, native allreduce); "auto" (shm when all
-  // ranks share a host, else tcp).
+  // "tcp": a full mesh of TCP connections. "shm": every rank on this host; point-to-point
+  // through shared-memory rings, allreduce straight through shared memory. "hybrid": several
+  // hosts with the same number of ranks each; allreduce is hierarchical (reduce-scatter in the host
+  // over shared memory, allreduce across hosts over TCP, allgather in the host), everything else
+  // over TCP. "auto": shm when every rank shares this host, hybrid when ranks share hosts evenly,
+  // else tcp. Hosts are told apart by host_id (docs/shm.md).
   std::string transport = "tcp";
+  // Which host this rank is on, for shm, hybrid and auto; "" = this machine's identity (boot id,
+  // hostname and IPC namespace). Ranks with equal ids must really share /dev/shm: tests set it to
+  // split one machine into simulated hosts.
+  std::string host_id;
+  size_t shm_chunk_bytes = 2 << 20;  // shared-memory allreduce: bytes per chunk (double-buffered)
+  size_t shm_small_bytes = 16 << 10; // shared-memory allreduce: one-barrier algorithm up to this size
   std::string token;                           // job token for the connection handshake
   std::string advertise_host;                  // address peers reach this rank by ("" = 127.0.0.1)
   std::string group_name = "default";
@@ -72,6 +82,8 @@ class ProcessGroup {
   ProcessGroup(const ProcessGroup&) = delete;
   ProcessGroup& operator=(const ProcessGroup&) = delete;
 
+  // The transport in use: "tcp", "shm" or "hybrid" ("auto" resolved).
+  std::string transport() const;
   int rank() const;
   int size() const;
   const ProcessGroupOptions& options() const;

@@ -1,0 +1,203 @@
+// Hybrid transport: several hosts, shared memory within each, TCP between them. See docs/shm.md.
+//
+// Every rank holds
+//   - a TCP full mesh over the whole group: point-to-point messages and every generic algorithm
+//     (broadcast, allgather, ... and their mismatch checks) run over it unchanged;
+//   - a shared-memory transport over the ranks of its own host (local rank l of L);
+//   - a view of the TCP mesh restricted to the ranks with its local index on every host ("rail" l).
+// Allreduce is hierarchical, per shared-memory chunk: reduce-scatter within the host (local rank l
+// ends up with slice l of the chunk reduced over the host), allreduce of slice l across hosts on
+// rail l over TCP (the L rails run at once, each moving 1/L of the bytes), then allgather within
+// the host. So the bytes that cross hosts are the minimum, and each host's ranks share that work.
+// When hosts hold different numbers of ranks the slices would not line up across hosts: then each
+// host's leader (local rank 0) reduces the whole chunk, allreduces it with the other leaders, and
+// hands the result to its host.
+
+#include <algorithm>
+#include <map>
+#include <thread>
+
+#include "algorithms.h"
+#include "chorus/comm/error.h"
+#include "chorus/comm/store.h"
+#include "reduce.h"
+#include "transport.h"
+
+namespace chorus::transport {
+namespace {
+
+// The ranks `members` of `base` as a group of their own: rank i here is members[i] there.
+// Borrows `base`; begin/abort/close belong to the owner of `base`.
+class RankMapTransport final : public Transport {
+ public:
+  RankMapTransport(Transport& base, std::vector<int> members, int index)
+      : base_(base), members_(std::move(members)), index_(index) {}
+
+  std::string kind() const override { return base_.kind(); }
+  int rank() const override { return index_; }
+  int size() const override { return static_cast<int>(members_.size()); }
+  std::string peer_name(int peer) const override { return base_.peer_name(map(peer)); }
+  void begin(const wire::Call&, net::Deadline) override {}
+  Ticket send(int peer, const wire::Header& header, const void* data, size_t n) override {
+    return base_.send(map(peer), header, data, n);
+  }
+  Ticket recv(int peer, const wire::Call& expect, void* data, size_t n) override {
+    return base_.recv(map(peer), expect, data, n);
+  }
+  void wait(Ticket ticket) override { base_.wait(ticket); }
+  void wait_all() override { base_.wait_all(); }
+  void abort(const std::string&, uint8_t) override {}
+  void close() override {}
+
+ private:
+  int map(int peer) const { return members_.at(static_cast<size_t>(peer)); }
+
+  Transport& base_;
+  std::vector<int> members_;
+  int index_;
+};
+
+class HybridTransport final : public Transport {
+ public:
+  HybridTransport(std::unique_ptr<Transport> tcp, std::unique_ptr<ShmTransportApi> shm, std::vector<int> rail,
+                  int rail_index, bool even, const HybridOptions& o)
+      : tcp_(std::move(tcp)), shm_(std::move(shm)), even_(even) {
+    if (rail_index >= 0) rail_ = std::make_unique<RankMapTransport>(*tcp_, std::move(rail), rail_index);
+    tune_.segment_bytes = std::max<size_t>(o.segment_bytes, 1);
+    chunk_bytes_ = shm_chunk_bytes(o.shm);
+    tune_.small_allreduce_bytes = o.small_allreduce_bytes;
+  }
+  ~HybridTransport() override { close(); }
+
+  std::string kind() const override { return "hybrid"; }
+  int rank() const override { return tcp_->rank(); }
+  int size() const override { return tcp_->size(); }
+  std::string peer_name(int peer) const override { return tcp_->peer_name(peer); }
+
+  void begin(const wire::Call& call, net::Deadline deadline) override {
+    call_ = call;
+    tcp_->begin(call, deadline);
+    if (shm_) shm_->begin(call, deadline);
+  }
+  Ticket send(int peer, const wire::Header& header, const void* data, size_t n) override {
+    return tcp_->send(peer, header, data, n);
+  }
+  Ticket recv(int peer, const wire::Call& expect, void* data, size_t n) override {
+    return tcp_->recv(peer, expect, data, n);
+  }
+  void wait(Ticket ticket) override { tcp_->wait(ticket); }
+  void wait_all() override { tcp_->wait_all(); }
+
+  bool native_allreduce(void* buf, size_t count, DataType dtype, ReduceOp op) override {
+    // Sums within and across hosts; an average divides by the whole world once, at the end.
+    const ReduceOp partial = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
+    auto across = [&](void* slice, size_t n) {
+      wire::Call sub = call_;  // the rail's messages name the call, with the slice's count
+      sub.count = n;
+      sub.reduce_op = partial;
+      algo::allreduce(*rail_, scratch_, tune_, sub, slice, n, dtype, partial);
+    };
+    if (!shm_ && !even_) {
+      // A host of one among bigger ones: its leaders' rail goes chunk by chunk, and so must this.
+      const size_t esz = element_size(dtype);
+      const size_t chunk = std::max<size_t>(1, chunk_bytes_ / esz);
+      for (size_t done = 0; done == 0 || done < count; done += chunk) {
+        across(static_cast<char*>(buf) + done * esz, std::min(chunk, count - done));
+      }
+    } else if (!shm_) {
+      across(buf, count);
+    } else if (even_) {
+      shm_->allreduce_with(buf, count, dtype, partial, across);
+    } else {
+      shm_->allreduce_through_leader(buf, count, dtype, partial, across);
+    }
+    if (op == ReduceOp::kAvg) reduce::finish_avg(dtype, buf, count, size());
+    return true;
+  }
+
+  void abort(const std::string& reason, uint8_t error_class) override {
+    if (shm_) shm_->abort(reason, error_class);
+    tcp_->abort(reason, error_class);
+  }
+  void close() override {
+    if (shm_) shm_->close();
+    tcp_->close();
+  }
+
+ private:
+  std::unique_ptr<Transport> tcp_;
+  std::unique_ptr<ShmTransportApi> shm_;
+  std::unique_ptr<RankMapTransport> rail_;
+  bool even_;
+  size_t chunk_bytes_ = 0;
+  algo::Scratch scratch_;
+  algo::Tuning tune_;
+  wire::Call call_;
+};
+
+}  // namespace
+
+std::vector<std::string> exchange_host_ids(Store& store, const std::string& key_prefix, int rank, int size,
+                                           const std::string& mine, net::Deadline deadline) {
+  store.set(key_prefix + "/host/" + std::to_string(rank), mine);
+  std::vector<std::string> ids(static_cast<size_t>(size));
+  for (int r = 0; r < size; ++r) {
+    const std::string key = key_prefix + "/host/" + std::to_string(r);
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - net::Clock::now());
+    store.wait({key}, std::max(left, std::chrono::milliseconds(1)));
+    ids[static_cast<size_t>(r)] = store.get(key);
+  }
+  return ids;
+}
+
+std::unique_ptr<Transport> make_hybrid_transport(const HybridOptions& options) {
+  const TcpOptions& to = options.tcp;
+  if (to.store == nullptr) throw UsageError("make_hybrid_transport: a store is required");
+  const std::string mine = options.host_id.empty() ? host_identity() : options.host_id;
+  const std::vector<std::string> ids =
+      exchange_host_ids(*to.store, to.key_prefix + "/hybrid", to.rank, to.size, mine, to.deadline);
+  // Hosts in order of their lowest rank; each host's ranks in rank order.
+  std::vector<std::string> order;
+  std::map<std::string, std::vector<int>> members;
+  for (int r = 0; r < to.size; ++r) {
+    const std::string& id = ids[static_cast<size_t>(r)];
+    if (members.find(id) == members.end()) order.push_back(id);
+    members[id].push_back(r);
+  }
+  const size_t local_size = members[mine].size();
+  bool even = true;
+  for (const std::string& id : order) even = even && members[id].size() == local_size;
+  const std::vector<int>& local = members[mine];
+  const int local_rank = static_cast<int>(std::find(local.begin(), local.end(), to.rank) - local.begin());
+  // Even hosts: rail l joins local rank l of every host. Uneven: only the leaders (local rank 0)
+  // form a rail; the others wait for their leader's result.
+  std::vector<int> rail;
+  int rail_index = -1;
+  if (even || local_rank == 0) {
+    for (const std::string& id : order) {
+      if (id == mine) rail_index = static_cast<int>(rail.size());
+      rail.push_back(members[id][even ? static_cast<size_t>(local_rank) : 0]);
+    }
+  }
+
+  auto tcp = make_tcp_transport(to);
+  std::unique_ptr<ShmTransportApi> shm;
+  if (local_size > 1) {
+    ShmOptions so = options.shm;
+    so.store = to.store;
+    // One shared-memory group per host, named by its lowest rank.
+    so.key_prefix = to.key_prefix + "/host" + std::to_string(local.front());
+    so.group_name = to.group_name;
+    so.rank = local_rank;
+    so.size = static_cast<int>(local_size);
+    so.token = to.token;
+    so.deadline = to.deadline;
+    so.host_id = mine;
+    so.global_ranks = local;
+    shm = make_shm_transport(so);
+  }
+  return std::make_unique<HybridTransport>(std::move(tcp), std::move(shm), std::move(rail), rail_index, even,
+                                           options);
+}
+
+}  // namespace chorus::transport
