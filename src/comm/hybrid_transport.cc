@@ -137,25 +137,15 @@ class HybridTransport final : public Transport {
 
 }  // namespace
 
-std::vector<std::string> exchange_host_ids(Store& store, const std::string& key_prefix, int rank, int size,
-                                           const std::string& mine, net::Deadline deadline) {
-  store.set(key_prefix + "/host/" + std::to_string(rank), mine);
-  std::vector<std::string> ids(static_cast<size_t>(size));
-  for (int r = 0; r < size; ++r) {
-    const std::string key = key_prefix + "/host/" + std::to_string(r);
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - net::Clock::now());
-    store.wait({key}, std::max(left, std::chrono::milliseconds(1)));
-    ids[static_cast<size_t>(r)] = store.get(key);
-  }
-  return ids;
-}
-
 std::unique_ptr<Transport> make_hybrid_transport(const HybridOptions& options) {
   const TcpOptions& to = options.tcp;
   if (to.store == nullptr) throw UsageError("make_hybrid_transport: a store is required");
   const std::string mine = options.host_id.empty() ? host_identity() : options.host_id;
-  const std::vector<std::string> ids =
-      exchange_host_ids(*to.store, to.key_prefix + "/hybrid", to.rank, to.size, mine, to.deadline);
+  std::vector<std::string> ids;
+  for (auto& a : exchange_announcements(*to.store, to.key_prefix + "/hybrid", to.rank, to.size, to.token, {mine, ""},
+                                        to.deadline)) {
+    ids.push_back(a.host);
+  }
   // Hosts in order of their lowest rank; each host's ranks in rank order.
   std::vector<std::string> order;
   std::map<std::string, std::vector<int>> members;

@@ -255,9 +255,10 @@ std::unique_ptr<transport::Transport> make_transport(Store* store, const transpo
   std::string kind = options.transport;
   if (size == 1) kind = "tcp";  // nothing to connect
   if (kind == "auto") {
-    const auto ids = transport::exchange_host_ids(*store, to.key_prefix + "/auto", to.rank, size, mine, to.deadline);
+    const auto ids = transport::exchange_announcements(*store, to.key_prefix + "/auto", to.rank, size, to.token,
+                                                       {mine, ""}, to.deadline);
     std::map<std::string, int> per_host;
-    for (const auto& id : ids) ++per_host[id];
+    for (const auto& a : ids) ++per_host[a.host];
     bool even = true, shared = false;
     for (const auto& [id, n] : per_host) {
       even = even && n == per_host.begin()->second;

@@ -167,18 +167,15 @@ class ShmTransport final : public ShmTransportApi {
     h->magic = kSegMagic;
 
     const std::string mine = o_.host_id.empty() ? host_identity() : o_.host_id;
-    o_.store->set(o_.key_prefix + "/shm/" + std::to_string(o_.rank), mine + "\n" + name_);
+    const auto all = exchange_announcements(*o_.store, o_.key_prefix + "/shm", o_.rank, n, o_.token, {mine, name_},
+                                            o_.deadline);
     for (int r = 0; r < n; ++r) {
       if (r == o_.rank) continue;
-      const std::string key = o_.key_prefix + "/shm/" + std::to_string(r);
-      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(o_.deadline - Clock::now());
-      o_.store->wait({key}, std::max(left, std::chrono::milliseconds(1)));
-      std::string v = o_.store->get(key);
-      std::string host = v.substr(0, v.find('\n'));
-      std::string peer_name = v.substr(v.find('\n') + 1);
+      const std::string& host = all[static_cast<size_t>(r)].host;
+      const std::string& peer_name = all[static_cast<size_t>(r)].extra;
       if (host != mine) {
         throw UsageError(me() + ": transport 'shm' needs every rank on one host, but rank " + std::to_string(global(r)) +
-                         " is on another (" + host + " vs " + mine + "); use transport 'tcp' or 'auto'");
+                         " is on another (" + host + " vs " + mine + "); use transport 'hybrid' or 'auto'");
       }
       int pfd = ::shm_open(peer_name.c_str(), O_RDWR | O_CLOEXEC, 0600);
       if (pfd < 0) throw Error(me() + ": cannot open rank " + std::to_string(r) + "'s shared memory " + peer_name + ": " + std::strerror(errno));
@@ -266,6 +263,7 @@ class ShmTransport final : public ShmTransportApi {
       char* chunk = static_cast<char*>(buf) + done * esz;
       std::memcpy(mine, chunk, len * esz);
       barrier("to copy in its part of the buffer");
+      if (done == 0) check_agreement();
       if (o_.rank == 0) {  // only rank 0 reads the areas until the next barrier
         for (int k = 1; k < n; ++k) reduce::reduce_into(dtype, op, chunk, area(k, half), len);
         between(chunk, len);
@@ -288,6 +286,7 @@ class ShmTransport final : public ShmTransportApi {
       const int half = half_;
       std::memcpy(mine, user, count * esz);
       barrier("to copy in its buffer");
+      check_agreement();
       std::memcpy(user, area(0, half), count * esz);
       for (int k = 1; k < n; ++k) reduce::reduce_into(dtype, op, user, area(k, half), count);
       if (between) between(user, count);
@@ -311,6 +310,7 @@ class ShmTransport final : public ShmTransportApi {
         if (k != o_.rank) std::memcpy(mine + sk.offset * esz, chunk + sk.offset * esz, sk.count * esz);
       }
       barrier("to copy in its part of the buffer");
+      if (done == 0) check_agreement();
       const plan::Range s = plan::split(len, n, o_.rank);
       char* acc = chunk + s.offset * esz;
       for (int k = 0; k < n; ++k) {
@@ -554,6 +554,28 @@ class ShmTransport final : public ShmTransportApi {
     return progressed;
   }
 
+  // Throws MismatchError when `peer` has published a different call for this call's sequence
+  // number (it publishes in begin(), before it can reach any barrier of the call).
+  void check_same_call(int peer) const {
+    if (call_.op == wire::OpType::kSend || call_.op == wire::OpType::kRecv) return;
+    const Desc& d = segs_[static_cast<size_t>(peer)].hdr->desc[call_.seq % kDescHistory];
+    if (d.seq_plus_one.load(std::memory_order_acquire) != call_.seq + 1) return;
+    if (!wire::same_call(wire::make_header(d.call, 0), call_)) {
+      throw MismatchError(me() + ": collective mismatch: this rank called " + wire::describe(call_) + " but " +
+                          peer_name(peer) + " called " + wire::describe(d.call) +
+                          "; every rank must call the same collectives in the same order with the same "
+                          "dtype, count, op and root");
+    }
+  }
+
+  // After the first barrier of a native collective every peer has published its call: check them
+  // all, so that ranks that disagree never read each other's areas.
+  void check_agreement() const {
+    for (int p = 0; p < o_.size; ++p) {
+      if (p != o_.rank) check_same_call(p);
+    }
+  }
+
   // Whether this rank still needs something from `peer` to finish what it is waiting for.
   bool waiting_on(int peer) const {
     return !recvs_[static_cast<size_t>(peer)].empty() || !sends_[static_cast<size_t>(peer)].empty() ||
@@ -575,18 +597,7 @@ class ShmTransport final : public ShmTransportApi {
           default: throw Error(msg);
         }
       }
-      if (call_.op != wire::OpType::kSend && call_.op != wire::OpType::kRecv) {
-        const Desc& d = h->desc[call_.seq % kDescHistory];
-        if (d.seq_plus_one.load(std::memory_order_acquire) == call_.seq + 1) {
-          wire::Header theirs = wire::make_header(d.call, 0);
-          if (!wire::same_call(theirs, call_)) {
-            throw MismatchError(me() + ": collective mismatch: this rank called " + wire::describe(call_) + " but " +
-                                peer_name(p) + " called " + wire::describe(d.call) +
-                                "; every rank must call the same collectives in the same order with the same "
-                                "dtype, count, op and root");
-          }
-        }
-      }
+      check_same_call(p);
       if (!waiting_on(p)) continue;  // a peer that finished and left owes this rank nothing
       int fd = pidfds_[static_cast<size_t>(p)];
       pollfd pfd{fd, POLLIN, 0};
@@ -713,6 +724,37 @@ class ShmTransport final : public ShmTransportApi {
 
 size_t shm_chunk_bytes(const ShmOptions& options) {
   return align_up(std::max<size_t>(options.collective_bytes, 4096), 64);
+}
+
+std::vector<Announcement> exchange_announcements(Store& store, const std::string& key_prefix, int rank, int size,
+                                                 const std::string& token, const Announcement& mine,
+                                                 Deadline deadline) {
+  const std::string token_hash = std::to_string(hash_token(token));
+  store.set(key_prefix + "/" + std::to_string(rank),
+            std::to_string(size) + "\n" + token_hash + "\n" + mine.host + "\n" + mine.extra);
+  std::vector<Announcement> all(static_cast<size_t>(size));
+  for (int r = 0; r < size; ++r) {
+    const std::string key = key_prefix + "/" + std::to_string(r);
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    store.wait({key}, std::max(left, std::chrono::milliseconds(1)));
+    std::istringstream in(store.get(key));
+    std::string their_size, their_token;
+    Announcement& a = all[static_cast<size_t>(r)];
+    std::getline(in, their_size);
+    std::getline(in, their_token);
+    std::getline(in, a.host);
+    std::getline(in, a.extra);
+    const std::string who = "chorus: rank " + std::to_string(rank) + ": rank " + std::to_string(r);
+    if (their_size != std::to_string(size)) {
+      throw HandshakeError(who + " has world size " + their_size + " but this rank has " + std::to_string(size) +
+                           "; every rank of a group must be started with the same world size");
+    }
+    if (their_token != token_hash) {
+      throw HandshakeError(who + " has a different job token; it belongs to another job (or CHORUS_JOB_TOKEN "
+                           "differs between the ranks)");
+    }
+  }
+  return all;
 }
 
 std::string host_identity() {

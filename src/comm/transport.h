@@ -161,9 +161,18 @@ struct HybridOptions {
 // leader). Collective: every rank of the group calls it.
 std::unique_ptr<Transport> make_hybrid_transport(const HybridOptions& options);
 
-// Every rank's host id, exchanged through the store under key_prefix (collective).
-std::vector<std::string> exchange_host_ids(Store& store, const std::string& key_prefix, int rank, int size,
-                                           const std::string& mine, net::Deadline deadline);
+// What a rank tells the others through the store before they share memory.
+struct Announcement {
+  std::string host;   // host id
+  std::string extra;  // e.g. the name of its shared-memory segment
+};
+
+// Publishes this rank's host id and `extra` under key_prefix with its world size and job token
+// hash, and collects every rank's (collective). Throws HandshakeError naming the rank whose world
+// size or job token differs (a process of another job, or a misconfigured one).
+std::vector<Announcement> exchange_announcements(Store& store, const std::string& key_prefix, int rank, int size,
+                                                 const std::string& token, const Announcement& mine,
+                                                 net::Deadline deadline);
 
 // The native allreduce's chunk (each half of a rank's collective area), in bytes.
 size_t shm_chunk_bytes(const ShmOptions& options);

@@ -118,9 +118,9 @@ DataType to_data_type(c10::ScalarType type) {
 
 void init_process_group(const std::string& backend, const std::string& init_method, int rank, int world_size,
                         InitOptions options) {
-  if (backend != "chorus" && backend != "tcp") {
+  if (backend != "chorus" && backend != "tcp" && backend != "shm" && backend != "hybrid") {
     throw UsageError("chorus::dist::init_process_group: unknown backend '" + backend +
-                     "'; use \"chorus\" (TCP transport)");
+                     "'; use \"chorus\" (picks shared memory or TCP), or force \"tcp\", \"shm\" or \"hybrid\"");
   }
   std::lock_guard<std::mutex> lock(g_mu);
   if (g_default) {
@@ -128,6 +128,11 @@ void init_process_group(const std::string& backend, const std::string& init_meth
   }
   ProcessGroupOptions o = options.group;
   o.timeout = options.timeout;
+  if (backend != "chorus") {
+    o.transport = backend;
+  } else if (const char* forced = std::getenv("CHORUS_TRANSPORT"); forced != nullptr && forced[0] != '\0') {
+    o.transport = forced;  // checked by the process group, which lists the valid names
+  }
   g_default = connect_process_group(init_method, rank, world_size, o);
   if (!g_atexit_registered) {
     // Peers that outlive this process learn it left cleanly (goodbye) rather than died.

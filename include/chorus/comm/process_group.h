@@ -37,7 +37,7 @@ struct ProcessGroupOptions {
   // over shared memory, allreduce across hosts over TCP, allgather in the host), everything else
   // over TCP. "auto": shm when every rank shares this host, hybrid when ranks share hosts evenly,
   // else tcp. Hosts are told apart by host_id (docs/shm.md).
-  std::string transport = "tcp";
+  std::string transport = "auto";
   // Which host this rank is on, for shm, hybrid and auto; "" = this machine's identity (boot id,
   // hostname and IPC namespace). Ranks with equal ids must really share /dev/shm: tests set it to
   // split one machine into simulated hosts.

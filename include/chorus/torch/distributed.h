@@ -30,7 +30,9 @@ struct InitOptions {
   ProcessGroupOptions group;  // tuning and the transport; timeout above wins
 };
 
-// backend: "chorus" or "tcp" (the same thing today). init_method: env://, tcp://, file:// (see
+// backend: "chorus" (the transport options.group.transport names, "auto" by default: shared memory
+// within a host, TCP between hosts; CHORUS_TRANSPORT in the environment overrides it), or one
+// transport forced: "tcp", "shm" or "hybrid". init_method: env://, tcp://, file:// (see
 // chorus/comm/rendezvous.h). rank / world_size < 0 come from the URL or the environment.
 void init_process_group(const std::string& backend = "chorus", const std::string& init_method = "env://",
                         int rank = -1, int world_size = -1, InitOptions options = {});
