@@ -77,6 +77,7 @@ struct Config {
   bool resume = false;
   std::string sync = "on";
   std::string compression = "none";
+  std::string overlap = "auto";
   double bucket_cap_mb = 25.0;
   bool bucket_view = false;
   int64_t eval_limit = 0;  // 0: the whole test set
@@ -207,6 +208,9 @@ void run_rank(const Config& cfg) {
   ddp_options.bucket_cap_mb = cfg.bucket_cap_mb;
   ddp_options.gradient_as_bucket_view = cfg.bucket_view;
   ddp_options.compression = parse_compression(cfg.compression);
+  ddp_options.overlap = cfg.overlap == "on"    ? chorus::ddp::Options::Overlap::kAlways
+                        : cfg.overlap == "off" ? chorus::ddp::Options::Overlap::kNever
+                                               : chorus::ddp::Options::Overlap::kAuto;
   chorus::ddp::DistributedDataParallel<Classifier> ddp(model, ddp_options);
   torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(cfg.lr).momentum(cfg.momentum));
   torch::manual_seed(cfg.seed + 1000003ull * static_cast<uint64_t>(rank + 1));  // per-rank dropout masks
@@ -225,10 +229,10 @@ void run_rank(const Config& cfg) {
   for (const auto& p : model->parameters()) params += p.numel();
   char head[512];
   std::snprintf(head, sizeof(head),
-                "fashion_mnist: %d rank(s) x %d thread(s), model %s (%" PRId64 " parameters), batch %" PRId64
+                "fashion_mnist: %d rank(s) x %d thread(s), transport %s, model %s (%" PRId64 " parameters), batch %" PRId64
                 "/rank, %" PRId64 " steps/epoch, sync %s, compression %s, data %s",
-                world, cfg.threads, cfg.model.c_str(), params, cfg.batch_size, steps_per_epoch, cfg.sync.c_str(),
-                cfg.compression.c_str(), cfg.data.c_str());
+                world, cfg.threads, dist::default_group().transport().c_str(), cfg.model.c_str(), params,
+                cfg.batch_size, steps_per_epoch, cfg.sync.c_str(), cfg.compression.c_str(), cfg.data.c_str());
   progress.line(head);
 
   // Resume: the model, optimizer and RNG come from the checkpoint; the position from its state.
@@ -354,6 +358,7 @@ void run_rank(const Config& cfg) {
   if (rank == 0 && !cfg.metrics_json.empty()) {
     nlohmann::json m = {
         {"world_size", world},
+        {"transport", dist::default_group().transport()},
         {"model", cfg.model},
         {"steps", steps},
         {"total_steps", step},
@@ -366,6 +371,7 @@ void run_rank(const Config& cfg) {
         {"compression", cfg.compression},
         {"bucket_cap_mb", cfg.bucket_cap_mb},
         {"gradient_as_bucket_view", cfg.bucket_view},
+        {"overlap", cfg.overlap},
         {"samples", samples},
         {"samples_per_s", samples_per_s},
         {"train_seconds", train_seconds},
@@ -425,6 +431,10 @@ int main(int argc, char** argv) {
   app.add_option("--compression", cfg.compression, "gradient compression for the allreduce")
       ->check(CLI::IsMember({"none", "fp16", "bf16"}))->capture_default_str();
   app.add_flag("--gradient-as-bucket-view", cfg.bucket_view, "gradients live in the DDP buckets (no copy)");
+  app.add_option("--overlap", cfg.overlap,
+                 "run bucket allreduces behind backward (on), in the backward thread (off), or auto "
+                 "(off over shared memory, where the allreduce is CPU work on the same cores)")
+      ->check(CLI::IsMember({"auto", "on", "off"}))->capture_default_str();
   app.add_option("--bucket-cap-mb", cfg.bucket_cap_mb, "DDP bucket size")->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--checkpoint-every", cfg.checkpoint_every, "also checkpoint every N steps (0: per epoch only)")

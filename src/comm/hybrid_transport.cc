@@ -70,6 +70,10 @@ class HybridTransport final : public Transport {
   ~HybridTransport() override { close(); }
 
   std::string kind() const override { return "hybrid"; }
+  void set_spin_gate(const std::atomic<int>* gate) override {
+    tcp_->set_spin_gate(gate);
+    if (shm_) shm_->set_spin_gate(gate);
+  }
   int rank() const override { return tcp_->rank(); }
   int size() const override { return tcp_->size(); }
   std::string peer_name(int peer) const override { return tcp_->peer_name(peer); }

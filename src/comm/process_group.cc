@@ -51,6 +51,26 @@ class InlineRunner {
  public:
   virtual ~InlineRunner() = default;
   virtual bool run_inline(const WorkImpl* work) = 0;
+  // Threads blocked in Work::wait on this group. While there are some, the caller's core is idle
+  // and transports may busy-poll; while there are none, the caller computes (DDP's backward) and
+  // a polling transport would take the core it needs, so transports sleep instead.
+  std::atomic<int> waiters{0};
+};
+
+// Counts a thread as blocked in Work::wait for its lifetime.
+class WaiterScope {
+ public:
+  explicit WaiterScope(InlineRunner* runner) : runner_(runner) {
+    if (runner_ != nullptr) runner_->waiters.fetch_add(1, std::memory_order_relaxed);
+  }
+  ~WaiterScope() {
+    if (runner_ != nullptr) runner_->waiters.fetch_sub(1, std::memory_order_relaxed);
+  }
+  WaiterScope(const WaiterScope&) = delete;
+  WaiterScope& operator=(const WaiterScope&) = delete;
+
+ private:
+  InlineRunner* runner_;
 };
 
 class WorkImpl final : public Work {
@@ -61,9 +81,14 @@ class WorkImpl final : public Work {
   bool is_success() const override { return state_.load(std::memory_order_acquire) == 1; }
 
   void wait() override {
+    if (is_completed()) {
+      if (error_) std::rethrow_exception(error_);
+      return;
+    }
+    WaiterScope scope(runner_);
     // A waiter whose operation is next in line runs it itself: no hand-off to the worker and
     // back, which is most of a small collective's latency. Issue order is unchanged.
-    if (!is_completed() && runner_ != nullptr) runner_->run_inline(this);
+    if (runner_ != nullptr) runner_->run_inline(this);
     if (!is_completed()) {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return is_completed(); });
@@ -74,6 +99,7 @@ class WorkImpl final : public Work {
   void wait(std::chrono::milliseconds timeout) override {
     // No inline run here: an inline run lasts as long as the operation, which can exceed `timeout`.
     if (!is_completed()) {
+      WaiterScope scope(runner_);
       std::unique_lock<std::mutex> lock(mu_);
       if (!cv_.wait_for(lock, timeout, [&] { return is_completed(); })) {
         throw TimeoutError("chorus: " + what_ + ": Work::wait did not see it complete within " +
@@ -341,6 +367,7 @@ ProcessGroup::ProcessGroup(std::shared_ptr<Store> store, int rank, int size, Pro
     const std::string msg = what.rfind("chorus: rank", 0) == 0 ? what : prefix + what;
     std::rethrow_exception(make_error(classify(e), msg));
   }
+  m.transport->set_spin_gate(&m.waiters);
   m.worker = std::thread([this] { impl_->loop(); });
 }
 

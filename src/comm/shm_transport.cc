@@ -207,6 +207,7 @@ class ShmTransport final : public ShmTransportApi {
   }
 
   std::string kind() const override { return "shm"; }
+  void set_spin_gate(const std::atomic<int>* gate) override { gate_ = gate; }
   int rank() const override { return o_.rank; }
   int size() const override { return o_.size; }
   std::string peer_name(int peer) const override {
@@ -624,7 +625,8 @@ class ShmTransport final : public ShmTransportApi {
     for (;;) {
       if (pump() && done()) return;
       if (done()) return;
-      auto spin_until = Clock::now() + std::chrono::microseconds(o_.spin_us);
+      const bool may_spin = gate_ == nullptr || gate_->load(std::memory_order_relaxed) > 0;
+      auto spin_until = Clock::now() + std::chrono::microseconds(may_spin ? o_.spin_us : 0);
       bool moved = false;
       while (Clock::now() < spin_until) {
         if (pump() || done()) {
@@ -710,6 +712,7 @@ class ShmTransport final : public ShmTransportApi {
   uint64_t stage_ = 0;
   uint64_t chunks_ = 0;
   bool in_barrier_ = false;
+  const std::atomic<int>* gate_ = nullptr;
   std::vector<std::vector<char>> inbox_;  // per peer: bytes read ahead of a posted receive
   std::vector<size_t> inbox_pos_;
   int half_ = 0;
@@ -760,9 +763,14 @@ std::vector<Announcement> exchange_announcements(Store& store, const std::string
 std::string host_identity() {
   char host[256] = {0};
   ::gethostname(host, sizeof(host) - 1);
-  struct stat st {};
-  std::string ipc = ::stat("/proc/self/ns/ipc", &st) == 0 ? std::to_string(st.st_ino) : "?";
-  return read_first_line("/proc/sys/kernel/random/boot_id") + "/" + host + "/ipc:" + ipc;
+  // The IPC namespace decides whether /dev/shm and futexes are shared; the PID namespace whether
+  // a peer's pid means the same process here (death detection uses it).
+  auto ns = [](const char* path) {
+    struct stat st {};
+    return ::stat(path, &st) == 0 ? std::to_string(st.st_ino) : std::string("?");
+  };
+  return read_first_line("/proc/sys/kernel/random/boot_id") + "/" + host + "/ipc:" + ns("/proc/self/ns/ipc") +
+         "/pid:" + ns("/proc/self/ns/pid");
 }
 
 std::unique_ptr<ShmTransportApi> make_shm_transport(const ShmOptions& options) {

@@ -11,6 +11,7 @@
 // abort() to tell the peers.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -73,6 +74,10 @@ class Transport {
   // Transports with a collective of their own (shared memory) run it here and return true;
   // the default leaves the operation to the generic algorithms.
   virtual bool native_allreduce(void* buf, size_t count, DataType dtype, ReduceOp op) { return false; }
+
+  // Busy-polling is allowed only while *gate > 0 (a thread waits for the group's work, so its core
+  // is idle); otherwise the transport sleeps as soon as it must wait. nullptr: always allowed.
+  virtual void set_spin_gate(const std::atomic<int>* gate) {}
 
   // Tells every peer that this rank failed with `reason` (best effort, bounded), then shuts the
   // connections down so peers waiting on this rank fail at once.

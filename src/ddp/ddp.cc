@@ -19,6 +19,7 @@
 #include <chrono>
 #include <map>
 #include <sstream>
+#include <thread>
 
 #include "bucket_plan.h"
 #include "chorus/comm/error.h"
@@ -83,6 +84,7 @@ struct Reducer::Impl {
   std::vector<std::pair<size_t, size_t>> where;  // parameter -> (bucket, position in bucket)
   std::vector<bool> ready;
   size_t next_launch = 0;
+  bool overlap = true;  // opts.overlap resolved against the group's transport
   bool sync = true;
   bool in_backward = false;
   Clock::time_point backward_start;
@@ -157,6 +159,7 @@ struct Reducer::Impl {
       b.work = dist::all_reduce(b.flat, ReduceOp::kAvg, pg, /*async_op=*/true);
     }
     (void)n;
+    if (!overlap) b.work->wait();  // runs it here, in order; finalize() collects its time
   }
 
   void launch_ready() {
@@ -214,7 +217,8 @@ struct Reducer::Impl {
       }
       b.work.reset();
     }
-    stats.comm_wait_ms = ms_since(wait_start);
+    // Without overlap every allreduce held backward up for its whole run: all of it is exposed.
+    stats.comm_wait_ms = overlap ? ms_since(wait_start) : comm_ms;
     stats.comm_ms = comm_ms;
     for (auto& b : buckets) {
       if (b.wire.defined()) b.flat.copy_(b.wire);
@@ -252,6 +256,9 @@ Reducer::Reducer(torch::nn::Module& module, Options options) : impl_(std::make_u
   m.opts = options;
   m.pg = options.group != nullptr ? options.group : &dist::default_group();
   m.world = m.pg->size();
+  const bool spare_core = static_cast<unsigned>(m.world) < std::thread::hardware_concurrency();
+  m.overlap = options.overlap == Options::Overlap::kAlways ||
+              (options.overlap == Options::Overlap::kAuto && (m.pg->transport() != "shm" || spare_core));
   for (auto& item : module.named_parameters(/*recurse=*/true)) {
     if (!item.value().requires_grad()) continue;
     const at::Tensor& p = item.value();

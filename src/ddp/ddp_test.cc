@@ -81,10 +81,11 @@ struct Variant {
   Options options;
   int micro_batches = 1;
   double tolerance = 1e-5;
+  std::string backend = "chorus";  // the transport: auto, or one forced
 };
 
 void run_variant(int rank, int world, const Variant& v) {
-  dist::init_process_group();
+  dist::init_process_group(v.backend);
   torch::manual_seed(0);
   GoldenNet net;
   Options o = v.options;
@@ -136,6 +137,28 @@ TEST_P(Golden, NoSyncAccumulationMatches) {
 TEST_P(Golden, GradientAsBucketViewMatches) {
   Variant v;
   v.options.gradient_as_bucket_view = true;
+  EXPECT_EQ(testing::run_ranks(GetParam(), [&](int r, int w, std::shared_ptr<Store>) { run_variant(r, w, v); }), "");
+}
+
+// Both ways of running the bucket allreduces, on both transports.
+TEST_P(Golden, OverlappedOverTcpMatches) {
+  Variant v;
+  v.backend = "tcp";
+  v.options.overlap = Options::Overlap::kAlways;
+  EXPECT_EQ(testing::run_ranks(GetParam(), [&](int r, int w, std::shared_ptr<Store>) { run_variant(r, w, v); }), "");
+}
+
+TEST_P(Golden, OverlappedOverSharedMemoryMatches) {
+  Variant v;
+  v.backend = "shm";
+  v.options.overlap = Options::Overlap::kAlways;
+  EXPECT_EQ(testing::run_ranks(GetParam(), [&](int r, int w, std::shared_ptr<Store>) { run_variant(r, w, v); }), "");
+}
+
+TEST_P(Golden, InBackwardThreadOverTcpMatches) {
+  Variant v;
+  v.backend = "tcp";
+  v.options.overlap = Options::Overlap::kNever;
   EXPECT_EQ(testing::run_ranks(GetParam(), [&](int r, int w, std::shared_ptr<Store>) { run_variant(r, w, v); }), "");
 }
 

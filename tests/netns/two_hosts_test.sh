@@ -1,15 +1,17 @@
 #!/bin/bash
 # Two hosts on one machine: two network namespaces joined by a veth pair, one `chorus run` in each
-# (--nnodes 2 --nproc-per-node 1), training Fashion-MNIST for a few steps over the veth.
+# (--nnodes 2 --nproc-per-node NPROC), training Fashion-MNIST for a few steps over the veth.
 #
-#   two_hosts_test.sh CHORUS FASHION_MNIST
+#   two_hosts_test.sh CHORUS FASHION_MNIST [NPROC]
 #
+# NPROC 1 (default): one rank per host, so the default transport is TCP. NPROC 2: two ranks per
+# host, so it is the hybrid: shared memory within each host, TCP between them over the veth.
 # Each host also gets its own hostname and IPC namespace, so that nothing can tell the two apart
 # from two machines (chorus picks shared memory only for ranks with the same hostname and IPC
 # namespace). Host A (node 0) hosts the rendezvous store at A's veth address; its own worker reaches the store
 # by that address too, so every worker advertises a veth address for its transport connections.
-# Checks: both launchers exit 0 within the timeout; rank 0's metrics say world_size 2 and the
-# steps asked for; a transport connection (not the store's) was seen established from B to A's
+# Checks: both launchers exit 0 within the timeout; rank 0's metrics say world_size 2 x NPROC, the
+# transport expected and the steps asked for; a transport connection (not the store's) was seen established from B to A's
 # address; and the veth carried at least steps x gradient bytes each way (a W=2 ring allreduce of
 # N bytes sends N bytes each way), so the gradients really went between the namespaces.
 #
@@ -17,12 +19,13 @@
 # Everything it makes (namespaces, veth, processes, files) is removed on every exit.
 set -euo pipefail
 
-if [[ $# -ne 2 ]]; then
-  echo "usage: $0 CHORUS FASHION_MNIST" >&2
+if [[ $# -lt 2 || $# -gt 3 ]]; then
+  echo "usage: $0 CHORUS FASHION_MNIST [NPROC]" >&2
   exit 2
 fi
 CHORUS=$(realpath "$1")
 FASHION_MNIST=$(realpath "$2")
+NPROC=${3:-1}
 STEPS=5
 TIMEOUT_S=120
 
@@ -108,7 +111,7 @@ launch() {  # launch NS NODE_RANK NAME: its own hostname and IPC namespace too, 
   # shellcheck disable=SC2016 # the inner bash expands $0 and $@
   (cd "$WORK" && exec ip netns exec "$1" unshare --uts --ipc /bin/bash -c 'hostname "${0//_/-}" && exec "$@"' "$1" \
     timeout "$TIMEOUT_S" "$CHORUS" run --nnodes 2 --node-rank "$2" \
-    --rdzv-endpoint "$ADDR_A:$PORT" --nproc-per-node 1 \
+    --rdzv-endpoint "$ADDR_A:$PORT" --nproc-per-node "$NPROC" \
     "$FASHION_MNIST" --max-steps "$STEPS" --eval-limit 200 --no-checkpoint --metrics-json "$WORK/$3.json") \
     >"$WORK/$3.log" 2>&1 &
   PIDS+=($!)
@@ -151,14 +154,17 @@ done
 echo "both launchers exited 0"
 
 # Rank 0 (node A) writes the metrics; rank 1's --metrics-json is ignored by the program.
-read -r WORLD DONE_STEPS GRAD_BYTES < <(python3 -c '
+read -r WORLD DONE_STEPS GRAD_BYTES KIND < <(python3 -c '
 import json, sys
 m = json.load(open(sys.argv[1]))
-print(m["world_size"], m["steps"], m["ddp"]["gradient_bytes"])' "$WORK/A.json") ||
+print(m["world_size"], m["steps"], m["ddp"]["gradient_bytes"], m["transport"])' "$WORK/A.json") ||
   { show_logs; fail "no readable metrics in $WORK/A.json"; }
-[[ $WORLD -eq 2 ]] || fail "metrics: world_size $WORLD, expected 2"
+[[ $WORLD -eq $((2 * NPROC)) ]] || fail "metrics: world_size $WORLD, expected $((2 * NPROC))"
+# One rank per host: TCP. Two: the hybrid (shared memory in each namespace-host, TCP across).
+WANT_KIND=$([[ $NPROC -eq 1 ]] && echo tcp || echo hybrid)
+[[ $KIND == "$WANT_KIND" ]] || fail "metrics: transport $KIND, expected $WANT_KIND (auto, with separate hosts)"
 [[ $DONE_STEPS -eq $STEPS ]] || fail "metrics: $DONE_STEPS steps, expected $STEPS"
-echo "metrics: world_size $WORLD, $DONE_STEPS steps, $GRAD_BYTES gradient bytes per step"
+echo "metrics: world_size $WORLD, transport $KIND, $DONE_STEPS steps, $GRAD_BYTES gradient bytes per step"
 
 # Transport connections: from B's address to A's address on a port other than the store's.
 # (`ss state established` prints Recv-Q Send-Q Local Peer.)

@@ -49,6 +49,13 @@ struct Options {
   bool broadcast_buffers = true;   // rank 0's buffers (e.g. BatchNorm statistics) before each forward
   Compression compression = Compression::kNone;
   bool gradient_as_bucket_view = false;  // .grad tensors are views into the buckets: no copy
+  // Whether a bucket's allreduce runs on the group's worker thread while backward goes on
+  // (kAlways), or in the backward thread as soon as the bucket is ready (kNever). kAuto: overlap,
+  // except over shared memory with at least as many ranks as the host has cores: there the
+  // allreduce is CPU work (copies and sums) with no core free to run it, so a second busy thread
+  // per rank only takes time slices from backward and delays the peers' barriers.
+  enum class Overlap { kAuto, kAlways, kNever };
+  Overlap overlap = Overlap::kAuto;
   ProcessGroup* group = nullptr;   // nullptr = chorus::dist's default group
 };
 
