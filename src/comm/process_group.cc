@@ -411,6 +411,7 @@ std::shared_ptr<Work> ProcessGroup::broadcast(void* data, size_t count, DataType
   m.check_root(root, "broadcast");
   const size_t bytes = count * element_size(dtype);
   return m.enqueue(OpType::kBroadcast, dtype, ReduceOp::kSum, count, root, [&m, data, bytes, root](WorkImpl&, const Call& c) {
+    if (m.size > 1 && m.transport->native_broadcast(data, bytes, root)) return;
     algo::broadcast(*m.transport, m.tune, c, data, bytes, root);
   });
 }
@@ -432,7 +433,8 @@ std::shared_ptr<Work> ProcessGroup::allgather(const void* in, void* out, size_t 
   const size_t bytes = count * element_size(dtype);
   std::vector<size_t> sizes(static_cast<size_t>(m.size), bytes);
   return m.enqueue(OpType::kAllgather, dtype, ReduceOp::kSum, count, 0,
-                   [&m, in, out, sizes = std::move(sizes)](WorkImpl&, const Call& c) {
+                   [&m, in, out, bytes, sizes = std::move(sizes)](WorkImpl&, const Call& c) {
+                     if (m.size > 1 && m.transport->native_allgather(in, out, bytes)) return;
                      algo::allgatherv(*m.transport, c, in, out, sizes);
                    });
 }

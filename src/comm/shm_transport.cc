@@ -252,6 +252,45 @@ class ShmTransport final : public ShmTransportApi {
     return true;
   }
 
+  bool native_broadcast(void* buf, size_t bytes, int root) override {
+    // Per chunk: the root publishes it in its area, one barrier, the others copy it out.
+    char* data = static_cast<char*>(buf);
+    size_t done = 0;
+    do {
+      const size_t len = std::min(coll_half_, bytes - done);
+      char* mine = area(o_.rank, next_half());
+      const int half = half_;
+      if (o_.rank == root) std::memcpy(mine, data + done, len);
+      barrier("to publish the root's data");
+      if (done == 0) check_agreement();
+      if (o_.rank != root) std::memcpy(data + done, area(root, half), len);
+      done += len;
+    } while (done < bytes);
+    return true;
+  }
+
+  bool native_allgather(const void* in, void* out, size_t bytes) override {
+    // Per chunk of every rank's block: each publishes its piece, one barrier, all copy all pieces.
+    const char* src = static_cast<const char*>(in);
+    char* dst = static_cast<char*>(out);
+    char* own = dst + static_cast<size_t>(o_.rank) * bytes;
+    if (own != src) std::memmove(own, src, bytes);  // in place when `in` is this rank's block of `out`
+    size_t done = 0;
+    do {
+      const size_t len = std::min(coll_half_, bytes - done);
+      char* mine = area(o_.rank, next_half());
+      const int half = half_;
+      std::memcpy(mine, src + done, len);
+      barrier("to publish its block");
+      if (done == 0) check_agreement();
+      for (int k = 0; k < o_.size; ++k) {
+        if (k != o_.rank) std::memcpy(dst + static_cast<size_t>(k) * bytes + done, area(k, half), len);
+      }
+      done += len;
+    } while (done < bytes);
+    return true;
+  }
+
   void allreduce_through_leader(void* buf, size_t count, DataType dtype, ReduceOp op, const SliceHook& between) override {
     const int n = o_.size;
     const size_t esz = element_size(dtype);

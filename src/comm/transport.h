@@ -74,6 +74,9 @@ class Transport {
   // Transports with a collective of their own (shared memory) run it here and return true;
   // the default leaves the operation to the generic algorithms.
   virtual bool native_allreduce(void* buf, size_t count, DataType dtype, ReduceOp op) { return false; }
+  virtual bool native_broadcast(void* buf, size_t bytes, int root) { return false; }
+  // Every rank contributes `bytes` at `in`; `out` receives rank r's block at r * bytes.
+  virtual bool native_allgather(const void* in, void* out, size_t bytes) { return false; }
 
   // Busy-polling is allowed only while *gate > 0 (a thread waits for the group's work, so its core
   // is idle); otherwise the transport sleeps as soon as it must wait. nullptr: always allowed.
