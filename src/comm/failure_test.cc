@@ -282,6 +282,48 @@ TEST(SharedMemory, NothingIsLeftInDevShmAfterNormalExitErrorOrSigkill) {
   EXPECT_EQ(chorus_segments(), before);
 }
 
+TEST(SharedMemory, RankThatRanAheadIntoTheNextCollectiveIsAMismatchNotAResult) {
+  // Rank 0's gather to root 1 fits in the ring and completes without rank 1, so rank 0 meets
+  // rank 1 at the same shared-memory barrier while it is in allreduce #1 and rank 1 in #0.
+  auto reports = testing::run_ranks_independent(2, [](int rank, int w) -> std::string {
+    ProcessGroupOptions o;
+    o.timeout = milliseconds(3000);
+    o.transport = "shm";
+    auto pg = connect_process_group("env://", rank, w, o);
+    std::vector<float> v(16, 1.0f), all(32);
+    if (rank == 0) pg->gather(v.data(), all.data(), v.size(), DataType::kFloat32, 1)->wait();
+    // The allreduce itself must fail: nothing after it may be needed to notice.
+    return outcome([&] { pg->allreduce(v.data(), v.size(), DataType::kFloat32)->wait(); });
+  });
+  for (const auto& r : reports) {
+    SCOPED_TRACE("rank " + std::to_string(r.rank) + ": " + r.text);
+    EXPECT_EQ(r.text.rfind("MismatchError", 0), 0u);
+    EXPECT_NE(r.text.find("allreduce"), std::string::npos);
+  }
+}
+
+TEST(Hybrid, HostsThatDisagreeOnTheOpRaiseOnEveryRank) {
+  // Two simulated hosts of two ranks; within each host the calls agree, across hosts they do not.
+  auto reports = testing::run_ranks_independent(4, [](int rank, int w) -> std::string {
+    ProcessGroupOptions o;
+    o.timeout = milliseconds(3000);
+    o.transport = "hybrid";
+    o.host_id = "test-host-" + std::to_string(rank / 2);
+    auto pg = connect_process_group("env://", rank, w, o);
+    std::vector<float> v(100000, 1.0f);
+    return outcome([&] {
+      pg->allreduce(v.data(), v.size(), DataType::kFloat32, rank < 2 ? ReduceOp::kAvg : ReduceOp::kSum)->wait();
+      pg->barrier()->wait();
+    });
+  });
+  for (const auto& r : reports) {
+    SCOPED_TRACE("rank " + std::to_string(r.rank) + ": " + r.text);
+    EXPECT_EQ(r.text.rfind("MismatchError", 0), 0u);
+    EXPECT_NE(r.text.find("avg"), std::string::npos);
+    EXPECT_NE(r.text.find("sum"), std::string::npos);
+  }
+}
+
 TEST(SharedMemory, OversubscribedGroupSleepsInsteadOfSpinningAndFinishes) {
   // 8 ranks on this machine's cores (2 in CI): waiting ranks must give their core away.
   const auto t0 = Clock::now();

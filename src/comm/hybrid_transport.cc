@@ -96,10 +96,9 @@ class HybridTransport final : public Transport {
     // Sums within and across hosts; an average divides by the whole world once, at the end.
     const ReduceOp partial = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
     auto across = [&](void* slice, size_t n) {
-      wire::Call sub = call_;  // the rail's messages name the call, with the slice's count
-      sub.count = n;
-      sub.reduce_op = partial;
-      algo::allreduce(*rail_, scratch_, tune_, sub, slice, n, dtype, partial);
+      // The rail's messages carry the caller's call unchanged, so hosts that disagree on the
+      // count or the op raise MismatchError; payload lengths check the slices.
+      algo::allreduce(*rail_, scratch_, tune_, call_, slice, n, dtype, partial);
     };
     if (!shm_ && !even_) {
       // A host of one among bigger ones: its leaders' rail goes chunk by chunk, and so must this.

@@ -293,7 +293,8 @@ std::unique_ptr<transport::Transport> make_transport(Store* store, const transpo
     kind = per_host.size() == 1 ? "shm" : (even && shared ? "hybrid" : "tcp");
   }
   // Spinning on an oversubscribed host takes the core the peer needs.
-  const int spin_us = static_cast<unsigned>(size) <= std::thread::hardware_concurrency() ? 50 : 0;
+  const int spin_us = options.spin_us >= 0 ? options.spin_us
+                      : static_cast<unsigned>(size) <= std::thread::hardware_concurrency() ? 50 : 0;
   transport::ShmOptions so;
   so.host_id = mine;
   so.group_name = options.group_name;

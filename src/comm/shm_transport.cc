@@ -26,6 +26,7 @@
 #include <deque>
 #include <dirent.h>
 #include <fstream>
+#include <random>
 #include <signal.h>
 #include <sstream>
 #include <thread>
@@ -66,6 +67,7 @@ struct SegHeader {
   uint64_t token_hash;
   uint64_t ring_bytes;
   uint64_t collective_bytes;
+  uint64_t small_bytes;
   alignas(64) std::atomic<uint32_t> state;
   uint8_t error_class;
   char message[2048];
@@ -99,13 +101,24 @@ std::string read_first_line(const char* path) {
   return line;
 }
 
+// The inode of one of this process's namespaces ("pid", "ipc"), or 0.
+unsigned long namespace_id(const char* kind) {
+  struct stat st {};
+  return ::stat((std::string("/proc/self/ns/") + kind).c_str(), &st) == 0 ? static_cast<unsigned long>(st.st_ino) : 0;
+}
+
 // Removes segments left in /dev/shm by chorus processes that no longer exist (killed during setup).
+// Names are chorus-<PID namespace>-<pid>-...: only names of this PID namespace are judged, since a
+// pid from another namespace (a container sharing /dev/shm) means nothing here.
 void sweep_stale_segments() {
   DIR* d = ::opendir("/dev/shm");
   if (d == nullptr) return;
+  const unsigned long mine = namespace_id("pid");
   while (dirent* e = ::readdir(d)) {
+    unsigned long ns = 0;
     int pid = 0;
-    if (std::sscanf(e->d_name, "chorus-%d-", &pid) == 1 && pid > 0 && ::kill(pid, 0) != 0 && errno == ESRCH) {
+    if (std::sscanf(e->d_name, "chorus-%lu-%d-", &ns, &pid) == 2 && ns == mine && pid > 0 && ::kill(pid, 0) != 0 &&
+        errno == ESRCH) {
       ::shm_unlink((std::string("/") + e->d_name).c_str());
     }
   }
@@ -116,6 +129,13 @@ struct Segment {
   void* base = nullptr;
   size_t bytes = 0;
   SegHeader* hdr = nullptr;
+  Segment() = default;
+  Segment(Segment&& o) noexcept : base(o.base), bytes(o.bytes), hdr(o.hdr) {
+    o.base = nullptr;
+    o.hdr = nullptr;
+  }
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
   ~Segment() {
     if (base != nullptr) ::munmap(base, bytes);
   }
@@ -138,14 +158,11 @@ class ShmTransport final : public ShmTransportApi {
     seg_bytes_ = coll_off_ + 2 * coll_half_;
 
     sweep_stale_segments();
-    // Create mine: the pid in the name lets a later job sweep it if this process dies in setup.
-    name_ = "/chorus-" + std::to_string(::getpid()) + "-" + std::to_string(hash_token(o_.key_prefix) & 0xffffff) +
-            "-" + std::to_string(o_.rank);
+    // Create mine: the pid in the name lets a later job sweep it if this process dies in setup;
+    // a random nonce keeps two groups of one process (or two namespaces' pids) apart.
+    name_ = "/chorus-" + std::to_string(namespace_id("pid")) + "-" + std::to_string(::getpid()) + "-" +
+            std::to_string(std::random_device{}() & 0xffffffu) + "-" + std::to_string(o_.rank);
     int fd = ::shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
-    if (fd < 0 && errno == EEXIST) {
-      ::shm_unlink(name_.c_str());
-      fd = ::shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
-    }
     if (fd < 0) throw Error(me() + ": cannot create shared memory " + name_ + ": " + std::strerror(errno));
     named_ = true;
     if (::ftruncate(fd, static_cast<off_t>(seg_bytes_)) != 0) {
@@ -164,6 +181,7 @@ class ShmTransport final : public ShmTransportApi {
     h->token_hash = hash_token(o_.token);
     h->ring_bytes = ring_bytes_;
     h->collective_bytes = coll_half_;
+    h->small_bytes = o_.small_bytes;
     h->magic = kSegMagic;
 
     const std::string mine = o_.host_id.empty() ? host_identity() : o_.host_id;
@@ -182,24 +200,30 @@ class ShmTransport final : public ShmTransportApi {
       map(segs_[static_cast<size_t>(r)], pfd);
       SegHeader* ph = segs_[static_cast<size_t>(r)].hdr;
       if (ph->magic != kSegMagic || ph->token_hash != h->token_hash || ph->size != n ||
-          ph->ring_bytes != ring_bytes_ || ph->collective_bytes != coll_half_) {
+          ph->ring_bytes != ring_bytes_ || ph->collective_bytes != coll_half_ || ph->small_bytes != o_.small_bytes) {
         throw HandshakeError(me() + ": rank " + std::to_string(r) + "'s shared memory belongs to another job or "
-                             "configuration (job token, world size or buffer sizes differ)");
+                             "configuration (job token, world size or shared-memory sizes differ: every rank needs the same "
+                             "shm_chunk_bytes and shm_small_bytes)");
       }
+    }
+    pidfds_.assign(static_cast<size_t>(n), -1);
+    for (int r = 0; r < n; ++r) {
+      if (r != o_.rank) pidfds_[static_cast<size_t>(r)] = static_cast<int>(::syscall(SYS_pidfd_open, segs_[static_cast<size_t>(r)].hdr->pid, 0));
     }
     // Everyone has mapped everyone: the names can go, so nothing outlives the processes.
     const std::string count = o_.key_prefix + "/shm/mapped";
     o_.store->add(count, 1);
     while (o_.store->add(count, 0) < n) {
       if (Clock::now() > o_.deadline) throw TimeoutError(me() + ": shared-memory setup timed out waiting for the other ranks to map");
+      for (int r = 0; r < n; ++r) {
+        if (r != o_.rank && (gone(r) || segs_[static_cast<size_t>(r)].hdr->state.load(std::memory_order_acquire) != kLive)) {
+          throw PeerError(me() + ": " + peer_name(r) + " failed or exited during shared-memory setup");
+        }
+      }
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
     ::shm_unlink(name_.c_str());
     named_ = false;
-    pidfds_.assign(static_cast<size_t>(n), -1);
-    for (int r = 0; r < n; ++r) {
-      if (r != o_.rank) pidfds_[static_cast<size_t>(r)] = static_cast<int>(::syscall(SYS_pidfd_open, segs_[static_cast<size_t>(r)].hdr->pid, 0));
-    }
     recvs_.resize(static_cast<size_t>(n));
     sends_.resize(static_cast<size_t>(n));
     inbox_.resize(static_cast<size_t>(n));
@@ -280,7 +304,7 @@ class ShmTransport final : public ShmTransportApi {
       const size_t len = std::min(coll_half_, bytes - done);
       char* mine = area(o_.rank, next_half());
       const int half = half_;
-      std::memcpy(mine, src + done, len);
+      std::memcpy(mine, own + done, len);
       barrier("to publish its block");
       if (done == 0) check_agreement();
       for (int k = 0; k < o_.size; ++k) {
@@ -596,24 +620,59 @@ class ShmTransport final : public ShmTransportApi {
 
   // Throws MismatchError when `peer` has published a different call for this call's sequence
   // number (it publishes in begin(), before it can reach any barrier of the call).
-  void check_same_call(int peer) const {
+  // `strict`: the peer has reached this call's first barrier, so it must be in a collective with
+  // this call's sequence number; otherwise only a published call for it is compared.
+  void check_same_call(int peer, bool strict) const {
     if (call_.op == wire::OpType::kSend || call_.op == wire::OpType::kRecv) return;
-    const Desc& d = segs_[static_cast<size_t>(peer)].hdr->desc[call_.seq % kDescHistory];
-    if (d.seq_plus_one.load(std::memory_order_acquire) != call_.seq + 1) return;
-    if (!wire::same_call(wire::make_header(d.call, 0), call_)) {
-      throw MismatchError(me() + ": collective mismatch: this rank called " + wire::describe(call_) + " but " +
-                          peer_name(peer) + " called " + wire::describe(d.call) +
-                          "; every rank must call the same collectives in the same order with the same "
-                          "dtype, count, op and root");
+    const SegHeader* h = segs_[static_cast<size_t>(peer)].hdr;
+    const Desc& d = h->desc[call_.seq % kDescHistory];
+    // A seqlock read: the peer may be rewriting this slot for a later call while it is read.
+    uint64_t seen = 0;
+    wire::Call theirs;
+    for (;;) {
+      seen = d.seq_plus_one.load(std::memory_order_acquire);
+      theirs = d.call;
+      std::atomic_thread_fence(std::memory_order_acquire);
+      if (d.seq_plus_one.load(std::memory_order_relaxed) == seen) break;
     }
+    if (seen == call_.seq + 1) {
+      if (wire::same_call(wire::make_header(theirs, 0), call_)) return;
+    } else if (!strict) {
+      return;
+    } else {
+      // It is in another collective: the latest it published names it.
+      uint64_t latest = 0;
+      for (const Desc& e : h->desc) {
+        const uint64_t v = e.seq_plus_one.load(std::memory_order_acquire);
+        if (v > latest) {
+          latest = v;
+          theirs = e.call;
+        }
+      }
+      if (latest == 0) theirs = wire::Call{};
+    }
+    throw MismatchError(me() + ": collective mismatch: this rank called " + wire::describe(call_) + " but " +
+                        peer_name(peer) + " called " + wire::describe(theirs) +
+                        "; every rank must call the same collectives in the same order with the same "
+                        "dtype, count, op and root");
   }
 
   // After the first barrier of a native collective every peer has published its call: check them
   // all, so that ranks that disagree never read each other's areas.
   void check_agreement() const {
     for (int p = 0; p < o_.size; ++p) {
-      if (p != o_.rank) check_same_call(p);
+      if (p != o_.rank) check_same_call(p, /*strict=*/true);
     }
+  }
+
+  // Whether `peer`'s process has exited (its pidfd is readable; without pidfds, kill(pid, 0)).
+  bool gone(int peer) const {
+    const int fd = pidfds_[static_cast<size_t>(peer)];
+    if (fd >= 0) {
+      pollfd pfd{fd, POLLIN, 0};
+      return ::poll(&pfd, 1, 0) > 0;
+    }
+    return ::kill(segs_[static_cast<size_t>(peer)].hdr->pid, 0) != 0 && errno == ESRCH;
   }
 
   // Whether this rank still needs something from `peer` to finish what it is waiting for.
@@ -637,11 +696,9 @@ class ShmTransport final : public ShmTransportApi {
           default: throw Error(msg);
         }
       }
-      check_same_call(p);
+      check_same_call(p, /*strict=*/false);
       if (!waiting_on(p)) continue;  // a peer that finished and left owes this rank nothing
-      int fd = pidfds_[static_cast<size_t>(p)];
-      pollfd pfd{fd, POLLIN, 0};
-      const bool dead = fd >= 0 ? (::poll(&pfd, 1, 0) > 0) : (::kill(h->pid, 0) != 0 && errno == ESRCH);
+      const bool dead = gone(p);
       if (st != kClosed && !dead) continue;
       // It left: take what it wrote before it went, and fail only if that is not enough.
       pump();
