@@ -302,6 +302,30 @@ TEST(SharedMemory, RankThatRanAheadIntoTheNextCollectiveIsAMismatchNotAResult) {
   }
 }
 
+TEST(SharedMemory, ReceiveAgainstACollectiveIsAMismatchNotATimeout) {
+  auto reports = testing::run_ranks_independent(2, [](int rank, int w) -> std::string {
+    ProcessGroupOptions o;
+    o.timeout = milliseconds(3000);
+    o.transport = "shm";
+    auto pg = connect_process_group("env://", rank, w, o);
+    std::vector<float> v(16, 1.0f);
+    return outcome([&] {
+      if (rank == 0) {
+        pg->recv(v.data(), v.size(), DataType::kFloat32, 1, 5)->wait();
+      } else {
+        pg->allreduce(v.data(), v.size(), DataType::kFloat32)->wait();
+      }
+    });
+  });
+  for (const auto& r : reports) {
+    SCOPED_TRACE("rank " + std::to_string(r.rank) + ": " + r.text);
+    EXPECT_EQ(r.text.rfind("MismatchError", 0), 0u);
+    EXPECT_NE(r.text.find("recv #0"), std::string::npos);
+    EXPECT_NE(r.text.find("allreduce #0"), std::string::npos);
+    EXPECT_LT(elapsed_of(r.text), 1.5);  // well before the 3 s timeout
+  }
+}
+
 TEST(Hybrid, HostsThatDisagreeOnTheOpRaiseOnEveryRank) {
   // Two simulated hosts of two ranks; within each host the calls agree, across hosts they do not.
   auto reports = testing::run_ranks_independent(4, [](int rank, int w) -> std::string {

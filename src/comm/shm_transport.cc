@@ -59,6 +59,13 @@ struct Desc {
   wire::Call call;
 };
 
+// The operation a rank is in now, point-to-point included, for messages and deadlock detection.
+// A seqlock: `version` is odd while the owner rewrites `call`.
+struct CurrentCall {
+  std::atomic<uint64_t> version{0};
+  wire::Call call;
+};
+
 struct SegHeader {
   uint32_t magic;
   int32_t rank;
@@ -75,6 +82,8 @@ struct SegHeader {
   alignas(64) std::atomic<uint32_t> sleeping;
   alignas(64) std::atomic<uint64_t> stage;     // native allreduce barrier counter
   Desc desc[kDescHistory];                     // the collectives this rank is in, by seq
+  CurrentCall current;
+  alignas(64) std::atomic<uint32_t> in_barrier;  // 1 while it waits at a native collective's barrier
 };
 
 struct RingCtl {
@@ -243,6 +252,12 @@ class ShmTransport final : public ShmTransportApi {
     call_ = call;
     start_ = Clock::now();
     deadline_ = deadline;
+    CurrentCall& cur = me_hdr()->current;
+    const uint64_t v = cur.version.load(std::memory_order_relaxed);
+    cur.version.store(v + 1, std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_release);
+    cur.call = call;
+    cur.version.store(v + 2, std::memory_order_release);
     if (call.op != wire::OpType::kSend && call.op != wire::OpType::kRecv) {
       Desc& d = me_hdr()->desc[call.seq % kDescHistory];
       d.call = call;
@@ -665,6 +680,18 @@ class ShmTransport final : public ShmTransportApi {
     }
   }
 
+  // The operation `peer` is in now (its last begin()).
+  wire::Call current_call(int peer) const {
+    const CurrentCall& cur = segs_[static_cast<size_t>(peer)].hdr->current;
+    for (int tries = 0; tries < 1000; ++tries) {
+      const uint64_t v = cur.version.load(std::memory_order_acquire);
+      wire::Call c = cur.call;
+      std::atomic_thread_fence(std::memory_order_acquire);
+      if (v % 2 == 0 && cur.version.load(std::memory_order_relaxed) == v) return c;
+    }
+    return wire::Call{};
+  }
+
   // Whether `peer`'s process has exited (its pidfd is readable; without pidfds, kill(pid, 0)).
   bool gone(int peer) const {
     const int fd = pidfds_[static_cast<size_t>(peer)];
@@ -698,6 +725,18 @@ class ShmTransport final : public ShmTransportApi {
       }
       check_same_call(p, /*strict=*/false);
       if (!waiting_on(p)) continue;  // a peer that finished and left owes this rank nothing
+      // This rank waits on a ring for `p` while `p` waits at a native collective's barrier for this
+      // rank: neither can move, whatever happens next. (A barrier needs every rank.)
+      if (!in_barrier_ && h->in_barrier.load(std::memory_order_acquire) != 0 &&
+          h->stage.load(std::memory_order_acquire) > stage_) {
+        pump();  // take what it wrote before it got there
+        if (waiting_on(p)) {
+          throw MismatchError(me() + ": collective mismatch: this rank called " + wire::describe(call_) + " but " +
+                              peer_name(p) + " is in " + wire::describe(current_call(p)) +
+                              ", waiting for this rank at a shared-memory barrier; every rank must call the same "
+                              "collectives and point-to-point operations in a compatible order");
+        }
+      }
       const bool dead = gone(p);
       if (st != kClosed && !dead) continue;
       // It left: take what it wrote before it went, and fail only if that is not enough.
@@ -764,10 +803,15 @@ class ShmTransport final : public ShmTransportApi {
     h->stage.store(stage_, std::memory_order_release);
     ring_all();
     in_barrier_ = true;
+    h->in_barrier.store(1, std::memory_order_release);
     struct Reset {
       bool& flag;
-      ~Reset() { flag = false; }
-    } reset{in_barrier_};
+      std::atomic<uint32_t>& shared;
+      ~Reset() {
+        flag = false;
+        shared.store(0, std::memory_order_release);
+      }
+    } reset{in_barrier_, h->in_barrier};
     wait_until([&] {
       for (int p = 0; p < o_.size; ++p) {
         if (segs_[static_cast<size_t>(p)].hdr->stage.load(std::memory_order_acquire) < stage_) return false;
@@ -785,8 +829,11 @@ class ShmTransport final : public ShmTransportApi {
       bool waiting = !recvs_[static_cast<size_t>(p)].empty() || !sends_[static_cast<size_t>(p)].empty() ||
                      segs_[static_cast<size_t>(p)].hdr->stage.load() < stage_;
       if (waiting) {
-        out << sep << peer_name(p);
-        sep = ", ";
+        const wire::Call theirs = current_call(p);
+        out << sep << peer_name(p)
+            << (theirs.op == wire::OpType::kNone ? std::string(", which has run no operation yet")
+                                                 : ", whose latest operation is " + wire::describe(theirs));
+        sep = "; ";
       }
     }
     out << " (" << what << "). The peer may be stuck or slower, or may be calling a different collective; "
