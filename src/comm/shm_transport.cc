@@ -174,11 +174,16 @@ class ShmTransport final : public ShmTransportApi {
     int fd = ::shm_open(name_.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
     if (fd < 0) throw Error(me() + ": cannot create shared memory " + name_ + ": " + std::strerror(errno));
     named_ = true;
-    if (::ftruncate(fd, static_cast<off_t>(seg_bytes_)) != 0) {
-      int err = errno;
+    // Reserve the pages now: on a full /dev/shm (containers often give it 64 MB) a sparse segment
+    // would fail later with SIGBUS on first touch instead of with this error.
+    const int err = ::posix_fallocate(fd, 0, static_cast<off_t>(seg_bytes_));
+    if (err != 0) {
       ::close(fd);
-      throw Error(me() + ": cannot size shared memory " + name_ + " to " + std::to_string(seg_bytes_) +
-                  " bytes: " + std::strerror(err) + " (is /dev/shm full?)");
+      throw UsageError(me() + ": cannot reserve " + std::to_string(seg_bytes_) + " bytes of shared memory for " +
+                       name_ + ": " + std::strerror(err) +
+                       (err == ENOSPC ? std::string(" (/dev/shm is full or too small: each rank needs about this "
+                                                    "much; in a container raise --shm-size, or use transport 'tcp')")
+                                      : std::string()));
     }
     segs_.resize(static_cast<size_t>(n));
     map(segs_[static_cast<size_t>(o_.rank)], fd);
