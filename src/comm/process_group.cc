@@ -278,20 +278,6 @@ namespace {
 std::unique_ptr<transport::Transport> make_transport(Store* store, const transport::TcpOptions& to,
                                                      const ProcessGroupOptions& options, int size) {
   const std::string mine = options.host_id.empty() ? transport::host_identity() : options.host_id;
-  std::string kind = options.transport;
-  if (size == 1) kind = "tcp";  // nothing to connect
-  if (kind == "auto") {
-    const auto ids = transport::exchange_announcements(*store, to.key_prefix + "/auto", to.rank, size, to.token,
-                                                       {mine, ""}, to.deadline);
-    std::map<std::string, int> per_host;
-    for (const auto& a : ids) ++per_host[a.host];
-    bool even = true, shared = false;
-    for (const auto& [id, n] : per_host) {
-      even = even && n == per_host.begin()->second;
-      shared = shared || n > 1;
-    }
-    kind = per_host.size() == 1 ? "shm" : (even && shared ? "hybrid" : "tcp");
-  }
   // Spinning on an oversubscribed host takes the core the peer needs.
   const int spin_us = options.spin_us >= 0 ? options.spin_us
                       : static_cast<unsigned>(size) <= std::thread::hardware_concurrency() ? 50 : 0;
@@ -303,6 +289,38 @@ std::unique_ptr<transport::Transport> make_transport(Store* store, const transpo
   so.collective_bytes = options.shm_chunk_bytes;
   so.small_bytes = options.shm_small_bytes;
   so.spin_us = spin_us;
+  std::string kind = options.transport;
+  if (size == 1) kind = "tcp";  // nothing to connect
+  if (kind == "auto") {
+    // Every rank says where it is and how much /dev/shm its host has free.
+    const auto all = transport::exchange_announcements(*store, to.key_prefix + "/auto", to.rank, size, to.token,
+                                                       {mine, std::to_string(transport::shm_free_bytes())},
+                                                       to.deadline);
+    std::map<std::string, int> per_host;
+    std::map<std::string, uint64_t> free_on;
+    for (const auto& a : all) {
+      ++per_host[a.host];
+      free_on[a.host] = std::stoull(a.extra.empty() ? "0" : a.extra);
+    }
+    bool even = true, shared = false;
+    std::string short_host;  // a host whose /dev/shm cannot hold its ranks' segments
+    for (const auto& [id, n] : per_host) {
+      even = even && n == per_host.begin()->second;
+      shared = shared || n > 1;
+      const uint64_t need = static_cast<uint64_t>(n) * transport::shm_segment_bytes(so, n);
+      if (n > 1 && free_on[id] < need) {
+        short_host = id;
+        if (to.rank == 0) {
+          std::fprintf(stderr,
+                       "[chorus] group '%s': /dev/shm on host %s has %llu bytes free but its %d ranks need %llu "
+                       "for shared memory; using tcp (in a container, raise --shm-size)\n",
+                       options.group_name.c_str(), id.c_str(), static_cast<unsigned long long>(free_on[id]), n,
+                       static_cast<unsigned long long>(need));
+        }
+      }
+    }
+    kind = !short_host.empty() ? "tcp" : per_host.size() == 1 ? "shm" : (even && shared ? "hybrid" : "tcp");
+  }
   if (kind == "shm") {
     so.store = store;
     so.key_prefix = to.key_prefix;

@@ -16,6 +16,7 @@
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -150,6 +151,22 @@ struct Segment {
   }
 };
 
+// Where things are in a segment: [header][ring to each rank][collective area: 2 halves].
+struct Layout {
+  size_t ring_bytes, chunk, rings_off, ring_stride, coll_off, seg_bytes;
+};
+
+Layout layout(const ShmOptions& o, int size) {
+  Layout l{};
+  l.ring_bytes = align_up(std::max<size_t>(o.ring_bytes, 4096), 64);
+  l.chunk = align_up(std::max<size_t>(o.collective_bytes, 4096), 64);
+  l.rings_off = align_up(sizeof(SegHeader), 4096);
+  l.ring_stride = align_up(sizeof(RingCtl) + l.ring_bytes, 64);
+  l.coll_off = align_up(l.rings_off + l.ring_stride * static_cast<size_t>(size), 4096);
+  l.seg_bytes = l.coll_off + 2 * l.chunk;
+  return l;
+}
+
 class ShmTransport final : public ShmTransportApi {
  public:
   ShmTransport(const ShmOptions& o) : o_(o) {}
@@ -158,13 +175,13 @@ class ShmTransport final : public ShmTransportApi {
 
   void setup() {
     const int n = o_.size;
-    ring_bytes_ = align_up(std::max<size_t>(o_.ring_bytes, 4096), 64);
-    coll_half_ = shm_chunk_bytes(o_);
-    header_bytes_ = align_up(sizeof(SegHeader), 4096);
-    rings_off_ = header_bytes_;
-    ring_stride_ = align_up(sizeof(RingCtl) + ring_bytes_, 64);
-    coll_off_ = align_up(rings_off_ + ring_stride_ * static_cast<size_t>(n), 4096);
-    seg_bytes_ = coll_off_ + 2 * coll_half_;
+    const Layout l = layout(o_, n);
+    ring_bytes_ = l.ring_bytes;
+    coll_half_ = l.chunk;
+    rings_off_ = l.rings_off;
+    ring_stride_ = l.ring_stride;
+    coll_off_ = l.coll_off;
+    seg_bytes_ = l.seg_bytes;
 
     sweep_stale_segments();
     // Create mine: the pid in the name lets a later job sweep it if this process dies in setup;
@@ -847,8 +864,7 @@ class ShmTransport final : public ShmTransportApi {
   }
 
   ShmOptions o_;
-  size_t ring_bytes_ = 0, coll_half_ = 0, header_bytes_ = 0, rings_off_ = 0, ring_stride_ = 0, coll_off_ = 0,
-         seg_bytes_ = 0;
+  size_t ring_bytes_ = 0, coll_half_ = 0, rings_off_ = 0, ring_stride_ = 0, coll_off_ = 0, seg_bytes_ = 0;
   std::string name_;
   bool named_ = false;
   std::vector<Segment> segs_;
@@ -873,8 +889,14 @@ class ShmTransport final : public ShmTransportApi {
 
 }  // namespace
 
-size_t shm_chunk_bytes(const ShmOptions& options) {
-  return align_up(std::max<size_t>(options.collective_bytes, 4096), 64);
+size_t shm_chunk_bytes(const ShmOptions& options) { return layout(options, 1).chunk; }
+
+size_t shm_segment_bytes(const ShmOptions& options, int size) { return layout(options, size).seg_bytes; }
+
+uint64_t shm_free_bytes() {
+  struct statvfs st {};
+  if (::statvfs("/dev/shm", &st) != 0) return 0;
+  return static_cast<uint64_t>(st.f_bavail) * st.f_frsize;
 }
 
 std::vector<Announcement> exchange_announcements(Store& store, const std::string& key_prefix, int rank, int size,

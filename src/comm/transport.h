@@ -184,6 +184,10 @@ std::vector<Announcement> exchange_announcements(Store& store, const std::string
 
 // The native allreduce's chunk (each half of a rank's collective area), in bytes.
 size_t shm_chunk_bytes(const ShmOptions& options);
+// The bytes of /dev/shm one rank's segment takes in a shared-memory group of `size` ranks.
+size_t shm_segment_bytes(const ShmOptions& options, int size);
+// Bytes free in /dev/shm (0 when it cannot be read).
+uint64_t shm_free_bytes();
 
 // This host's identity for deciding which ranks can share memory.
 std::string host_identity();
