@@ -12,6 +12,8 @@
 // When hosts hold different numbers of ranks the slices would not line up across hosts: then each
 // host's leader (local rank 0) reduces the whole chunk, allreduces it with the other leaders, and
 // hands the result to its host.
+// Broadcast is hierarchical too: the root sends to one rank per host over TCP, which broadcasts
+// within its host over shared memory.
 
 #include <algorithm>
 #include <map>
@@ -60,8 +62,8 @@ class RankMapTransport final : public Transport {
 class HybridTransport final : public Transport {
  public:
   HybridTransport(std::unique_ptr<Transport> tcp, std::unique_ptr<ShmTransportApi> shm, std::vector<int> rail,
-                  int rail_index, bool even, const HybridOptions& o)
-      : tcp_(std::move(tcp)), shm_(std::move(shm)), even_(even) {
+                  int rail_index, bool even, std::vector<std::vector<int>> hosts, const HybridOptions& o)
+      : tcp_(std::move(tcp)), shm_(std::move(shm)), even_(even), hosts_(std::move(hosts)) {
     if (rail_index >= 0) rail_ = std::make_unique<RankMapTransport>(*tcp_, std::move(rail), rail_index);
     tune_.segment_bytes = std::max<size_t>(o.segment_bytes, 1);
     chunk_bytes_ = shm_chunk_bytes(o.shm);
@@ -118,6 +120,30 @@ class HybridTransport final : public Transport {
     return true;
   }
 
+  bool native_broadcast(void* buf, size_t bytes, int root) override {
+    // Across hosts first, over TCP: the root to one rank of every other host (the root itself on
+    // its own host, the lowest rank elsewhere); then within each host, over shared memory, from
+    // that rank.
+    std::vector<int> heads;
+    int head_here = -1;  // this host's head, as a local rank
+    for (const std::vector<int>& host : hosts_) {
+      const bool has_root = std::find(host.begin(), host.end(), root) != host.end();
+      const int head = has_root ? root : host.front();
+      heads.push_back(head);
+      if (std::find(host.begin(), host.end(), rank()) != host.end()) {
+        head_here = static_cast<int>(std::find(host.begin(), host.end(), head) - host.begin());
+      }
+    }
+    std::rotate(heads.begin(), std::find(heads.begin(), heads.end(), root), heads.end());  // root first
+    const auto me = std::find(heads.begin(), heads.end(), rank());
+    if (me != heads.end()) {
+      RankMapTransport across(*tcp_, heads, static_cast<int>(me - heads.begin()));
+      algo::broadcast(across, tune_, call_, buf, bytes, 0);
+    }
+    if (shm_) shm_->native_broadcast(buf, bytes, head_here);
+    return true;
+  }
+
   void abort(const std::string& reason, uint8_t error_class) override {
     if (shm_) shm_->abort(reason, error_class);
     tcp_->abort(reason, error_class);
@@ -132,6 +158,7 @@ class HybridTransport final : public Transport {
   std::unique_ptr<ShmTransportApi> shm_;
   std::unique_ptr<RankMapTransport> rail_;
   bool even_;
+  std::vector<std::vector<int>> hosts_;  // every host's ranks, hosts in order of their lowest rank
   size_t chunk_bytes_ = 0;
   algo::Scratch scratch_;
   algo::Tuning tune_;
@@ -189,8 +216,10 @@ std::unique_ptr<Transport> make_hybrid_transport(const HybridOptions& options) {
     so.global_ranks = local;
     shm = make_shm_transport(so);
   }
+  std::vector<std::vector<int>> hosts;
+  for (const std::string& id : order) hosts.push_back(members[id]);
   return std::make_unique<HybridTransport>(std::move(tcp), std::move(shm), std::move(rail), rail_index, even,
-                                           options);
+                                           std::move(hosts), options);
 }
 
 }  // namespace chorus::transport
