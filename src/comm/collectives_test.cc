@@ -215,7 +215,9 @@ ProcessGroupOptions test_options(const SuiteSetup& setup, int rank, size_t segme
 
 void conformance(const SuiteSetup& setup, int rank, int world) {
   auto pg = connect_process_group("env://", rank, world, test_options(setup, rank, 96, 64, true));
-  const std::string want = world == 1 ? "tcp" : setup.transport;
+  // auto: shm on one host, hybrid when the simulated hosts share some ranks.
+  const std::string asked = setup.transport == "auto" ? (setup.hosts > 1 ? "hybrid" : "shm") : setup.transport;
+  const std::string want = world == 1 ? "tcp" : asked;
   if (pg->transport() != want) throw std::runtime_error("transport is " + pg->transport() + ", not " + want);
   for (DataType t : kAllTypes) {
     for (size_t count : sizes_for(world)) {
@@ -326,6 +328,8 @@ std::vector<SuiteSetup> setups() {
     if (w > 1) out.push_back({"hybrid", w, 2});
   }
   out.push_back({"hybrid", 6, 3});  // three hosts of two
+  out.push_back({"auto", 4, 1});    // picks shm
+  out.push_back({"auto", 3, 2});    // picks hybrid (hosts of 1 and 2 ranks)
   return out;
 }
 

@@ -302,10 +302,9 @@ std::unique_ptr<transport::Transport> make_transport(Store* store, const transpo
       ++per_host[a.host];
       free_on[a.host] = std::stoull(a.extra.empty() ? "0" : a.extra);
     }
-    bool even = true, shared = false;
+    bool shared = false;
     std::string short_host;  // a host whose /dev/shm cannot hold its ranks' segments
     for (const auto& [id, n] : per_host) {
-      even = even && n == per_host.begin()->second;
       shared = shared || n > 1;
       const uint64_t need = static_cast<uint64_t>(n) * transport::shm_segment_bytes(so, n);
       if (n > 1 && free_on[id] < need) {
@@ -319,7 +318,7 @@ std::unique_ptr<transport::Transport> make_transport(Store* store, const transpo
         }
       }
     }
-    kind = !short_host.empty() ? "tcp" : per_host.size() == 1 ? "shm" : (even && shared ? "hybrid" : "tcp");
+    kind = !short_host.empty() ? "tcp" : per_host.size() == 1 ? "shm" : shared ? "hybrid" : "tcp";
   }
   if (kind == "shm") {
     so.store = store;

@@ -32,11 +32,11 @@ namespace chorus {
 struct ProcessGroupOptions {
   std::chrono::milliseconds timeout{300000};  // per operation; 5 minutes as in PyTorch
   // "tcp": a full mesh of TCP connections. "shm": every rank on this host; point-to-point
-  // through shared-memory rings, allreduce straight through shared memory. "hybrid": several
-  // hosts with the same number of ranks each; allreduce is hierarchical (reduce-scatter in the host
-  // over shared memory, allreduce across hosts over TCP, allgather in the host), everything else
-  // over TCP. "auto": shm when every rank shares this host, hybrid when ranks share hosts evenly,
-  // else tcp. Hosts are told apart by host_id (docs/shm.md).
+  // through shared-memory rings, allreduce, broadcast and allgather straight through shared
+  // memory. "hybrid": several hosts; allreduce and broadcast are hierarchical (shared memory in
+  // the host, TCP across hosts), everything else over TCP. "auto": shm when every rank shares
+  // this host, hybrid when some ranks share a host, else tcp (and tcp when a host's /dev/shm is
+  // too small). Hosts are told apart by host_id (docs/shm.md).
   std::string transport = "auto";
   // Which host this rank is on, for shm, hybrid and auto; "" = this machine's identity (boot id,
   // hostname and IPC namespace). Ranks with equal ids must really share /dev/shm: tests set it to
