@@ -214,6 +214,7 @@ std::unique_ptr<Transport> make_hybrid_transport(const HybridOptions& options) {
     so.deadline = to.deadline;
     so.host_id = mine;
     so.global_ranks = local;
+    if (options.spin_by_local_size) so.spin_us = local_size <= std::thread::hardware_concurrency() ? 50 : 0;
     shm = make_shm_transport(so);
   }
   std::vector<std::vector<int>> hosts;

@@ -332,6 +332,7 @@ std::unique_ptr<transport::Transport> make_transport(Store* store, const transpo
     ho.tcp = to;
     ho.shm = so;
     ho.host_id = mine;
+    ho.spin_by_local_size = options.spin_us < 0;  // the ranks that share cores are this host's
     ho.segment_bytes = options.segment_bytes;
     ho.small_allreduce_bytes = options.small_allreduce_bytes;
     return transport::make_hybrid_transport(ho);

@@ -160,6 +160,7 @@ struct HybridOptions {
   TcpOptions tcp;      // every rank, all hosts: point-to-point and the generic algorithms
   ShmOptions shm;      // filled in per host by make_hybrid_transport (rank, size, key prefix)
   std::string host_id; // this rank's host ("" = host_identity())
+  bool spin_by_local_size = true;  // shm.spin_us = 50 when this host's ranks fit its cores, else 0
   size_t segment_bytes = 1 << 20;            // for the cross-host allreduce (algo::Tuning)
   size_t small_allreduce_bytes = 256 << 10;  // likewise
 };
