@@ -22,6 +22,7 @@
 #include "algorithms.h"
 #include "chorus/comm/error.h"
 #include "chorus/comm/store.h"
+#include "plan.h"
 #include "reduce.h"
 #include "transport.h"
 
@@ -61,10 +62,10 @@ class RankMapTransport final : public Transport {
 
 class HybridTransport final : public Transport {
  public:
-  HybridTransport(std::unique_ptr<Transport> tcp, std::unique_ptr<ShmTransportApi> shm, std::vector<int> rail,
-                  int rail_index, bool even, std::vector<std::vector<int>> hosts, const HybridOptions& o)
-      : tcp_(std::move(tcp)), shm_(std::move(shm)), even_(even), hosts_(std::move(hosts)) {
-    if (rail_index >= 0) rail_ = std::make_unique<RankMapTransport>(*tcp_, std::move(rail), rail_index);
+  HybridTransport(std::unique_ptr<Transport> tcp, std::unique_ptr<ShmTransportApi> shm, plan::HostPlan plan,
+                  const HybridOptions& o)
+      : tcp_(std::move(tcp)), shm_(std::move(shm)), even_(plan.even), host_(plan.host), hosts_(std::move(plan.hosts)) {
+    if (plan.rail_index >= 0) rail_ = std::make_unique<RankMapTransport>(*tcp_, std::move(plan.rail), plan.rail_index);
     tune_.segment_bytes = std::max<size_t>(o.segment_bytes, 1);
     chunk_bytes_ = shm_chunk_bytes(o.shm);
     tune_.small_allreduce_bytes = o.small_allreduce_bytes;
@@ -124,17 +125,13 @@ class HybridTransport final : public Transport {
     // Across hosts first, over TCP: the root to one rank of every other host (the root itself on
     // its own host, the lowest rank elsewhere); then within each host, over shared memory, from
     // that rank.
-    std::vector<int> heads;
-    int head_here = -1;  // this host's head, as a local rank
-    for (const std::vector<int>& host : hosts_) {
-      const bool has_root = std::find(host.begin(), host.end(), root) != host.end();
-      const int head = has_root ? root : host.front();
-      heads.push_back(head);
-      if (std::find(host.begin(), host.end(), rank()) != host.end()) {
-        head_here = static_cast<int>(std::find(host.begin(), host.end(), head) - host.begin());
-      }
+    const std::vector<int> heads = plan::broadcast_heads(hosts_, root);
+    const std::vector<int>& here = hosts_[static_cast<size_t>(host_)];
+    int head_here = 0;  // this host's head, as a local rank
+    for (int head : heads) {
+      const auto at = std::find(here.begin(), here.end(), head);
+      if (at != here.end()) head_here = static_cast<int>(at - here.begin());
     }
-    std::rotate(heads.begin(), std::find(heads.begin(), heads.end(), root), heads.end());  // root first
     const auto me = std::find(heads.begin(), heads.end(), rank());
     if (me != heads.end()) {
       RankMapTransport across(*tcp_, heads, static_cast<int>(me - heads.begin()));
@@ -158,6 +155,7 @@ class HybridTransport final : public Transport {
   std::unique_ptr<ShmTransportApi> shm_;
   std::unique_ptr<RankMapTransport> rail_;
   bool even_;
+  int host_;                             // this rank's host, an index into hosts_
   std::vector<std::vector<int>> hosts_;  // every host's ranks, hosts in order of their lowest rank
   size_t chunk_bytes_ = 0;
   algo::Scratch scratch_;
@@ -176,29 +174,9 @@ std::unique_ptr<Transport> make_hybrid_transport(const HybridOptions& options) {
                                         to.deadline)) {
     ids.push_back(a.host);
   }
-  // Hosts in order of their lowest rank; each host's ranks in rank order.
-  std::vector<std::string> order;
-  std::map<std::string, std::vector<int>> members;
-  for (int r = 0; r < to.size; ++r) {
-    const std::string& id = ids[static_cast<size_t>(r)];
-    if (members.find(id) == members.end()) order.push_back(id);
-    members[id].push_back(r);
-  }
-  const size_t local_size = members[mine].size();
-  bool even = true;
-  for (const std::string& id : order) even = even && members[id].size() == local_size;
-  const std::vector<int>& local = members[mine];
-  const int local_rank = static_cast<int>(std::find(local.begin(), local.end(), to.rank) - local.begin());
-  // Even hosts: rail l joins local rank l of every host. Uneven: only the leaders (local rank 0)
-  // form a rail; the others wait for their leader's result.
-  std::vector<int> rail;
-  int rail_index = -1;
-  if (even || local_rank == 0) {
-    for (const std::string& id : order) {
-      if (id == mine) rail_index = static_cast<int>(rail.size());
-      rail.push_back(members[id][even ? static_cast<size_t>(local_rank) : 0]);
-    }
-  }
+  plan::HostPlan plan = plan::plan_hosts(ids, to.rank);
+  const std::vector<int>& local = plan.hosts[static_cast<size_t>(plan.host)];
+  const size_t local_size = local.size();
 
   auto tcp = make_tcp_transport(to);
   std::unique_ptr<ShmTransportApi> shm;
@@ -208,7 +186,7 @@ std::unique_ptr<Transport> make_hybrid_transport(const HybridOptions& options) {
     // One shared-memory group per host, named by its lowest rank.
     so.key_prefix = to.key_prefix + "/host" + std::to_string(local.front());
     so.group_name = to.group_name;
-    so.rank = local_rank;
+    so.rank = plan.local_rank;
     so.size = static_cast<int>(local_size);
     so.token = to.token;
     so.deadline = to.deadline;
@@ -217,10 +195,7 @@ std::unique_ptr<Transport> make_hybrid_transport(const HybridOptions& options) {
     if (options.spin_by_local_size) so.spin_us = local_size <= std::thread::hardware_concurrency() ? 50 : 0;
     shm = make_shm_transport(so);
   }
-  std::vector<std::vector<int>> hosts;
-  for (const std::string& id : order) hosts.push_back(members[id]);
-  return std::make_unique<HybridTransport>(std::move(tcp), std::move(shm), std::move(rail), rail_index, even,
-                                           std::move(hosts), options);
+  return std::make_unique<HybridTransport>(std::move(tcp), std::move(shm), std::move(plan), options);
 }
 
 }  // namespace chorus::transport

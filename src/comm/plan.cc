@@ -66,4 +66,41 @@ std::vector<int> binomial_children(int rank, int root, int n) {
   return out;
 }
 
+HostPlan plan_hosts(const std::vector<std::string>& host_ids, int rank) {
+  HostPlan p;
+  std::vector<std::string> order;
+  for (int r = 0; r < static_cast<int>(host_ids.size()); ++r) {
+    const std::string& id = host_ids[static_cast<size_t>(r)];
+    const auto it = std::find(order.begin(), order.end(), id);
+    const size_t h = static_cast<size_t>(it - order.begin());
+    if (it == order.end()) {
+      order.push_back(id);
+      p.hosts.emplace_back();
+    }
+    if (r == rank) {
+      p.host = static_cast<int>(h);
+      p.local_rank = static_cast<int>(p.hosts[h].size());
+    }
+    p.hosts[h].push_back(r);
+  }
+  for (const auto& host : p.hosts) p.even = p.even && host.size() == p.hosts.front().size();
+  if (p.even || p.local_rank == 0) {
+    for (size_t h = 0; h < p.hosts.size(); ++h) {
+      if (static_cast<int>(h) == p.host) p.rail_index = static_cast<int>(p.rail.size());
+      p.rail.push_back(p.hosts[h][p.even ? static_cast<size_t>(p.local_rank) : 0]);
+    }
+  }
+  return p;
+}
+
+std::vector<int> broadcast_heads(const std::vector<std::vector<int>>& hosts, int root) {
+  std::vector<int> heads;
+  for (const auto& host : hosts) {
+    const bool has_root = std::find(host.begin(), host.end(), root) != host.end();
+    heads.push_back(has_root ? root : host.front());
+  }
+  std::rotate(heads.begin(), std::find(heads.begin(), heads.end(), root), heads.end());
+  return heads;
+}
+
 }  // namespace chorus::plan

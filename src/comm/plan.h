@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <string>
 #include <vector>
 
 namespace chorus::plan {
@@ -42,5 +43,22 @@ int pow2_floor(int n);
 // children in the order they are served.
 int binomial_parent(int rank, int root, int n);
 std::vector<int> binomial_children(int rank, int root, int n);
+
+// The hybrid transport's view of the hosts, from every rank's host id (index = rank).
+struct HostPlan {
+  std::vector<std::vector<int>> hosts;  // each host's ranks in order; hosts in order of lowest rank
+  int host = 0;                         // this rank's host
+  int local_rank = 0;                   // this rank's index on its host
+  bool even = true;                     // every host holds the same number of ranks
+  // The ranks this rank allreduces its slice with across hosts: even hosts, local rank l of every
+  // host (a "rail"); uneven, the leaders (local rank 0) only. Empty when this rank is on no rail.
+  std::vector<int> rail;
+  int rail_index = -1;                  // this rank's position in `rail`
+};
+HostPlan plan_hosts(const std::vector<std::string>& host_ids, int rank);
+
+// A hierarchical broadcast's first stage: one rank per host, the root first (the root on its own
+// host, the lowest rank elsewhere).
+std::vector<int> broadcast_heads(const std::vector<std::vector<int>>& hosts, int root);
 
 }  // namespace chorus::plan

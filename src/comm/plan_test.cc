@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 
 #include <set>
+#include <string>
+#include <vector>
 
 #include "plan.h"
 
@@ -91,6 +93,43 @@ TEST(Pow2, Floor) {
   EXPECT_EQ(pow2_floor(5), 4);
   EXPECT_EQ(pow2_floor(8), 8);
   EXPECT_EQ(pow2_floor(9), 8);
+}
+
+TEST(HostPlan, EvenHostsGiveOneRailPerLocalRank) {
+  // Ranks 0, 2 on host a; 1, 3 on host b (interleaved on purpose).
+  const std::vector<std::string> ids = {"a", "b", "a", "b"};
+  const std::vector<std::vector<int>> hosts = {{0, 2}, {1, 3}};
+  for (int r = 0; r < 4; ++r) {
+    HostPlan p = plan_hosts(ids, r);
+    EXPECT_EQ(p.hosts, hosts);
+    EXPECT_TRUE(p.even);
+    EXPECT_EQ(p.host, r % 2);
+    EXPECT_EQ(p.local_rank, r / 2);
+    EXPECT_EQ(p.rail, (r / 2 == 0 ? std::vector<int>{0, 1} : std::vector<int>{2, 3})) << "rank " << r;
+    EXPECT_EQ(p.rail[static_cast<size_t>(p.rail_index)], r);
+  }
+}
+
+TEST(HostPlan, UnevenHostsPutOnlyTheLeadersOnARail) {
+  const std::vector<std::string> ids = {"a", "a", "a", "b", "b"};  // 3 + 2
+  for (int r = 0; r < 5; ++r) {
+    HostPlan p = plan_hosts(ids, r);
+    EXPECT_FALSE(p.even);
+    const bool leader = r == 0 || r == 3;
+    EXPECT_EQ(p.rail, (leader ? std::vector<int>{0, 3} : std::vector<int>{})) << "rank " << r;
+    EXPECT_EQ(p.rail_index, leader ? (r == 0 ? 0 : 1) : -1);
+  }
+  HostPlan alone = plan_hosts({"x"}, 0);
+  EXPECT_TRUE(alone.even);
+  EXPECT_EQ(alone.rail, std::vector<int>{0});
+}
+
+TEST(BroadcastHeads, RootFirstThenTheLowestRankOfEveryOtherHost) {
+  const std::vector<std::vector<int>> hosts = {{0, 1, 2}, {3, 4}, {5}};
+  EXPECT_EQ(broadcast_heads(hosts, 0), (std::vector<int>{0, 3, 5}));
+  EXPECT_EQ(broadcast_heads(hosts, 4), (std::vector<int>{4, 5, 0}));
+  EXPECT_EQ(broadcast_heads(hosts, 2), (std::vector<int>{2, 3, 5}));
+  EXPECT_EQ(broadcast_heads(hosts, 5), (std::vector<int>{5, 0, 3}));
 }
 
 }  // namespace
