@@ -77,7 +77,7 @@ struct Config {
   bool resume = false;
   std::string sync = "on";
   std::string compression = "none";
-  std::string overlap = "auto";
+  std::string overlap = "on";
   double bucket_cap_mb = 25.0;
   bool bucket_view = false;
   int64_t eval_limit = 0;  // 0: the whole test set
@@ -208,9 +208,8 @@ void run_rank(const Config& cfg) {
   ddp_options.bucket_cap_mb = cfg.bucket_cap_mb;
   ddp_options.gradient_as_bucket_view = cfg.bucket_view;
   ddp_options.compression = parse_compression(cfg.compression);
-  ddp_options.overlap = cfg.overlap == "on"    ? chorus::ddp::Options::Overlap::kAlways
-                        : cfg.overlap == "off" ? chorus::ddp::Options::Overlap::kNever
-                                               : chorus::ddp::Options::Overlap::kAuto;
+  ddp_options.overlap =
+      cfg.overlap == "off" ? chorus::ddp::Options::Overlap::kNever : chorus::ddp::Options::Overlap::kAlways;
   chorus::ddp::DistributedDataParallel<Classifier> ddp(model, ddp_options);
   torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(cfg.lr).momentum(cfg.momentum));
   torch::manual_seed(cfg.seed + 1000003ull * static_cast<uint64_t>(rank + 1));  // per-rank dropout masks
@@ -432,9 +431,9 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"none", "fp16", "bf16"}))->capture_default_str();
   app.add_flag("--gradient-as-bucket-view", cfg.bucket_view, "gradients live in the DDP buckets (no copy)");
   app.add_option("--overlap", cfg.overlap,
-                 "run bucket allreduces behind backward (on), in the backward thread (off), or auto "
-                 "(off over shared memory, where the allreduce is CPU work on the same cores)")
-      ->check(CLI::IsMember({"auto", "on", "off"}))->capture_default_str();
+                 "run bucket allreduces behind backward on the group's thread (on), or in the backward "
+                 "thread as each bucket is ready (off)")
+      ->check(CLI::IsMember({"on", "off"}))->capture_default_str();
   app.add_option("--bucket-cap-mb", cfg.bucket_cap_mb, "DDP bucket size")->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_option("--checkpoint-every", cfg.checkpoint_every, "also checkpoint every N steps (0: per epoch only)")

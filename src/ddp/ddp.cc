@@ -84,7 +84,7 @@ struct Reducer::Impl {
   std::vector<std::pair<size_t, size_t>> where;  // parameter -> (bucket, position in bucket)
   std::vector<bool> ready;
   size_t next_launch = 0;
-  bool overlap = true;  // opts.overlap resolved against the group's transport
+  bool overlap = true;  // bucket allreduces run on the group's worker thread (Options::overlap)
   bool sync = true;
   bool in_backward = false;
   Clock::time_point backward_start;
@@ -256,9 +256,7 @@ Reducer::Reducer(torch::nn::Module& module, Options options) : impl_(std::make_u
   m.opts = options;
   m.pg = options.group != nullptr ? options.group : &dist::default_group();
   m.world = m.pg->size();
-  const bool spare_core = static_cast<unsigned>(m.world) < std::thread::hardware_concurrency();
-  m.overlap = options.overlap == Options::Overlap::kAlways ||
-              (options.overlap == Options::Overlap::kAuto && (m.pg->transport() != "shm" || spare_core));
+  m.overlap = options.overlap == Options::Overlap::kAlways;
   for (auto& item : module.named_parameters(/*recurse=*/true)) {
     if (!item.value().requires_grad()) continue;
     const at::Tensor& p = item.value();

@@ -50,12 +50,11 @@ struct Options {
   Compression compression = Compression::kNone;
   bool gradient_as_bucket_view = false;  // .grad tensors are views into the buckets: no copy
   // Whether a bucket's allreduce runs on the group's worker thread while backward goes on
-  // (kAlways), or in the backward thread as soon as the bucket is ready (kNever). kAuto: overlap,
-  // except over shared memory with at least as many ranks as the host has cores: there the
-  // allreduce is CPU work (copies and sums) with no core free to run it, so a second busy thread
-  // per rank only takes time slices from backward and delays the peers' barriers.
-  enum class Overlap { kAuto, kAlways, kNever };
-  Overlap overlap = Overlap::kAuto;
+  // (kAlways, the default), or in the backward thread as soon as the bucket is ready (kNever:
+  // no second busy thread per rank, for hosts where every core computes and the allreduce is
+  // CPU work; measured here it was no faster, so it is not the default).
+  enum class Overlap { kAlways, kNever };
+  Overlap overlap = Overlap::kAlways;
   ProcessGroup* group = nullptr;   // nullptr = chorus::dist's default group
 };
 
