@@ -316,17 +316,12 @@ class ShmTransport final : public ShmTransportApi {
   bool native_broadcast(void* buf, size_t bytes, int root) override {
     // Per chunk: the root publishes it in its area, one barrier, the others copy it out.
     char* data = static_cast<char*>(buf);
-    size_t done = 0;
-    do {
-      const size_t len = std::min(coll_half_, bytes - done);
-      char* mine = area(o_.rank, next_half());
-      const int half = half_;
+    for_each_chunk(bytes, coll_half_, [&](size_t done, size_t len, char* mine, int half) {
       if (o_.rank == root) std::memcpy(mine, data + done, len);
       barrier("to publish the root's data");
       if (done == 0) check_agreement();
       if (o_.rank != root) std::memcpy(data + done, area(root, half), len);
-      done += len;
-    } while (done < bytes);
+    });
     return true;
   }
 
@@ -336,19 +331,14 @@ class ShmTransport final : public ShmTransportApi {
     char* dst = static_cast<char*>(out);
     char* own = dst + static_cast<size_t>(o_.rank) * bytes;
     if (own != src) std::memmove(own, src, bytes);  // in place when `in` is this rank's block of `out`
-    size_t done = 0;
-    do {
-      const size_t len = std::min(coll_half_, bytes - done);
-      char* mine = area(o_.rank, next_half());
-      const int half = half_;
+    for_each_chunk(bytes, coll_half_, [&](size_t done, size_t len, char* mine, int half) {
       std::memcpy(mine, own + done, len);
       barrier("to publish its block");
       if (done == 0) check_agreement();
       for (int k = 0; k < o_.size; ++k) {
         if (k != o_.rank) std::memcpy(dst + static_cast<size_t>(k) * bytes + done, area(k, half), len);
       }
-      done += len;
-    } while (done < bytes);
+    });
     return true;
   }
 
@@ -356,11 +346,7 @@ class ShmTransport final : public ShmTransportApi {
     const int n = o_.size;
     const size_t esz = element_size(dtype);
     const size_t chunk_elems = std::max<size_t>(1, coll_half_ / esz);
-    size_t done = 0;
-    do {
-      const size_t len = std::min(chunk_elems, count - done);
-      char* mine = area(o_.rank, next_half());
-      const int half = half_;
+    for_each_chunk(count, chunk_elems, [&](size_t done, size_t len, char* mine, int half) {
       char* chunk = static_cast<char*>(buf) + done * esz;
       std::memcpy(mine, chunk, len * esz);
       barrier("to copy in its part of the buffer");
@@ -372,8 +358,7 @@ class ShmTransport final : public ShmTransportApi {
       }
       barrier("to receive the result from its host's leader");
       if (o_.rank != 0) std::memcpy(chunk, area(0, half), len * esz);
-      done += len;
-    } while (done < count);
+    });
   }
 
   void allreduce_with(void* buf, size_t count, DataType dtype, ReduceOp op, const SliceHook& between) override {
@@ -383,8 +368,8 @@ class ShmTransport final : public ShmTransportApi {
     if (count * esz <= std::min(o_.small_bytes, coll_half_)) {
       // Small: one barrier. Every rank publishes its whole buffer and reduces all of them, in
       // rank order, so every rank computes the same bits.
-      char* mine = area(o_.rank, next_half());
-      const int half = half_;
+      const int half = next_half();
+      char* mine = area(o_.rank, half);
       std::memcpy(mine, user, count * esz);
       barrier("to copy in its buffer");
       check_agreement();
@@ -400,11 +385,7 @@ class ShmTransport final : public ShmTransportApi {
     // the other ranks' results out. Each rank moves 2(n-1)/n of the chunk across cores and never
     // copies its own slice in or out.
     const size_t chunk_elems = std::max<size_t>(1, coll_half_ / esz);
-    size_t done = 0;
-    do {
-      const size_t len = std::min(chunk_elems, count - done);
-      char* mine = area(o_.rank, next_half());
-      const int half = half_;
+    for_each_chunk(count, chunk_elems, [&](size_t done, size_t len, char* mine, int half) {
       char* chunk = user + done * esz;
       for (int k = 0; k < n; ++k) {
         const plan::Range sk = plan::split(len, n, k);
@@ -425,8 +406,7 @@ class ShmTransport final : public ShmTransportApi {
         const plan::Range sk = plan::split(len, n, k);
         if (k != o_.rank) std::memcpy(chunk + sk.offset * esz, area(k, half) + sk.offset * esz, sk.count * esz);
       }
-      done += len;
-    } while (done < count);
+    });
   }
 
   void abort(const std::string& reason, uint8_t error_class) override {
@@ -814,9 +794,20 @@ class ShmTransport final : public ShmTransportApi {
   // The collective areas alternate halves chunk by chunk (across calls too): a rank copies into
   // half h only after the barrier that follows its previous copy-in, which every rank passes only
   // once it has finished reading the chunk before, the last one that used h.
-  int next_half() {
-    half_ = static_cast<int>(chunks_++ % 2);
-    return half_;
+  int next_half() { return static_cast<int>(chunks_++ % 2); }
+
+  // Runs step(done, len, mine, half) over [0, total) in pieces of at most `per` units (once, with
+  // len 0, when total is 0), each piece in the next half of the collective areas; `mine` is this
+  // rank's area in that half. Every rank must call it with the same total and per.
+  template <typename Step>
+  void for_each_chunk(size_t total, size_t per, Step step) {
+    size_t done = 0;
+    do {
+      const size_t len = std::min(per, total - done);
+      const int half = next_half();
+      step(done, len, area(o_.rank, half), half);
+      done += len;
+    } while (done < total);
   }
 
   void barrier(const char* what) {
@@ -879,7 +870,6 @@ class ShmTransport final : public ShmTransportApi {
   const std::atomic<int>* gate_ = nullptr;
   std::vector<std::vector<char>> inbox_;  // per peer: bytes read ahead of a posted receive
   std::vector<size_t> inbox_pos_;
-  int half_ = 0;
   wire::Call call_;
   Clock::time_point start_ = Clock::now();
   Deadline deadline_ = Deadline::max();
