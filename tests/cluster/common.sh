@@ -68,3 +68,23 @@ print(f"metrics: world_size {m['world_size']}, steps {m['steps']}, "
       f"test accuracy {m.get('test_accuracy')}")
 PY
 }
+
+# run_job OUT LIMIT_S NAME CMD...: runs CMD in the background with output to OUT (so that an
+# interrupt reaches the caller's trap at once; the caller's EXIT trap kills "$job"), waits, prints
+# OUT, and fails naming NAME when CMD timed out after LIMIT_S or exited non-zero. FAIL_CONTEXT, if
+# set, names files whose last lines are shown on failure.
+run_job() {
+  local out=$1 limit=$2 name=$3 rc
+  shift 3
+  timeout -k 10 "$limit" "$@" > "$out" 2>&1 &
+  job=$!
+  wait "$job"
+  rc=$?
+  job=
+  cat "$out"
+  case $rc in
+    0) return 0 ;;
+    124 | 137) show_tail ${FAIL_CONTEXT:-}; fail "$name did not finish within $limit s" ;;
+    *) show_tail ${FAIL_CONTEXT:-}; fail "$name exited with $rc" ;;
+  esac
+}

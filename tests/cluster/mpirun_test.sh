@@ -30,20 +30,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
 echo "$version; running: mpirun -np 2 $bin --max-steps 5 ..."
 start=$SECONDS
-# In the background: bash runs a trap only once the foreground command ends, and an interrupt
-# must stop mpirun at once.
-timeout -k 10 240 mpirun --allow-run-as-root --oversubscribe -np 2 \
-  "$bin" --max-steps 5 --eval-limit 200 --no-checkpoint --log-every 1 \
-  --metrics-json "$tmp/metrics.json" > "$tmp/output.log" 2>&1 &
-job=$!
-wait "$job"
-rc=$?
-job=
-cat "$tmp/output.log"
-case $rc in
-  0) ;;
-  124 | 137) fail "mpirun did not finish within 240 s" ;;
-  *) fail "mpirun exited with $rc" ;;
-esac
+run_job "$tmp/output.log" 240 mpirun mpirun --allow-run-as-root --oversubscribe -np 2 \
+  "$bin" --max-steps 5 --eval-limit 200 --no-checkpoint --log-every 1 --metrics-json "$tmp/metrics.json"
 check_metrics "$tmp/metrics.json" 2 5
 echo "PASS: mpirun -np 2 ran fashion_mnist as one job of 2 ranks in $((SECONDS - start)) s"

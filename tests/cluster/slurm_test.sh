@@ -156,27 +156,10 @@ overcommit=()
 [ "${cpus:-1}" -ge 2 ] || overcommit=(--overcommit)
 echo "running: srun -n 2 $bin --max-steps 5 ..."
 start=$SECONDS
-# In the background: bash runs a trap only once the foreground command ends, and an interrupt
-# must reach the cleanup at once.
-(cd "$tmp" && exec timeout -k 10 "$job_limit" srun -n 2 "${overcommit[@]}" \
+FAIL_CONTEXT="$tmp/slurmctld.log $tmp/slurmd.log"
+cd "$tmp" || fail "cannot enter $tmp"
+run_job "$tmp/output.log" "$job_limit" srun srun -n 2 "${overcommit[@]}" \
   --job-name=chorus-env-test --time=5 --kill-on-bad-exit=1 --wait=60 \
-  "$bin" --max-steps 5 --eval-limit 200 --no-checkpoint --log-every 1 \
-  --metrics-json "$tmp/metrics.json") > "$tmp/output.log" 2>&1 &
-job=$!
-wait "$job"
-rc=$?
-job=
-cat "$tmp/output.log"
-case $rc in
-  0) ;;
-  124 | 137)
-    show_tail "$tmp/slurmctld.log" "$tmp/slurmd.log"
-    fail "srun did not finish within $job_limit s"
-    ;;
-  *)
-    show_tail "$tmp/slurmctld.log" "$tmp/slurmd.log"
-    fail "srun exited with $rc"
-    ;;
-esac
+  "$bin" --max-steps 5 --eval-limit 200 --no-checkpoint --log-every 1 --metrics-json "$tmp/metrics.json"
 check_metrics "$tmp/metrics.json" 2 5
 echo "PASS: srun -n 2 ran fashion_mnist as one job of 2 ranks in $((SECONDS - start)) s"
