@@ -105,11 +105,19 @@ bool tokens_equal(const std::string& a, const std::string& b) {
 }
 
 void client_handshake(int fd, const Hello& hello, net::Deadline deadline, const std::string& what) {
+  send_hello(fd, hello, deadline, what);
+  await_verdict(fd, deadline, what);
+}
+
+void send_hello(int fd, const Hello& hello, net::Deadline deadline, const std::string& what) {
   std::string msg = encode_hello(hello);
   net::IoResult w = net::write_full(fd, msg.data(), msg.size(), deadline);
   if (!w.ok()) {
     throw PeerError("handshake with " + what + " failed while sending: " + w.describe());
   }
+}
+
+void await_verdict(int fd, net::Deadline deadline, const std::string& what) {
   char head[5];
   net::IoResult r = net::read_full(fd, head, sizeof(head), deadline);
   if (r.code == net::IoResult::kTimeout) {

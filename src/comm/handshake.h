@@ -48,6 +48,11 @@ bool tokens_equal(const std::string& a, const std::string& b);
 // `what` names the server for messages ("store at 10.0.0.1:29500").
 void client_handshake(int fd, const Hello& hello, net::Deadline deadline, const std::string& what);
 
+// The two halves of client_handshake, for a client that must serve its own listener in between (the
+// transport mesh, where every rank is client and server): send_hello only writes, await_verdict waits.
+void send_hello(int fd, const Hello& hello, net::Deadline deadline, const std::string& what);
+void await_verdict(int fd, net::Deadline deadline, const std::string& what);
+
 // Server side, on a blocking socket: reads a hello before `deadline`. Returns false and sets
 // *error when the bytes are not a valid hello or the peer is gone.
 bool read_hello(int fd, net::Deadline deadline, Hello* hello, std::string* error);
