@@ -79,7 +79,7 @@ struct Config {
   std::string compression = "none";
   std::string overlap = "on";
   double bucket_cap_mb = 25.0;
-  bool bucket_view = false;
+  bool bucket_view = true;
   int64_t eval_limit = 0;  // 0: the whole test set
   int64_t log_every = 50;
   int64_t checkpoint_every = 0;  // also checkpoint every N steps (0: per epoch only)
@@ -259,6 +259,7 @@ void run_rank(const Config& cfg) {
   };
 
   const bool sync = cfg.sync == "on";
+  const bool lockstep = cfg.sync == "lockstep";
   const int64_t first_step = step;
   const char* attempt_env = std::getenv("CHORUS_RESTART_COUNT");
   const bool first_attempt = attempt_env == nullptr || std::string(attempt_env) == "0";
@@ -290,6 +291,7 @@ void run_rank(const Config& cfg) {
         auto guard = ddp.no_sync();  // the no-communication bound: every rank trains on its own
         loss.backward();
       }
+      if (lockstep) ddp.reducer().group().barrier()->wait();  // no data, but the ranks wait for each other
       optimizer.step();
       const double l = loss.item<double>();
       const double dt = seconds_since(t0);
@@ -367,6 +369,7 @@ void run_rank(const Config& cfg) {
         {"global_batch_size", cfg.batch_size * world},
         {"threads", cfg.threads},
         {"sync", sync},
+        {"sync_mode", cfg.sync},
         {"compression", cfg.compression},
         {"bucket_cap_mb", cfg.bucket_cap_mb},
         {"gradient_as_bucket_view", cfg.bucket_view},
@@ -424,12 +427,17 @@ int main(int argc, char** argv) {
   CLI::Option* no_ckpt = app.add_flag("--no-checkpoint", cfg.no_checkpoint, "write no checkpoints");
   app.add_flag("--resume", cfg.resume, "continue from the checkpoint in --checkpoint-dir, if there is one")
       ->excludes(no_ckpt);
-  app.add_option("--sync", cfg.sync, "allreduce the gradients (off: every rank trains alone; a benchmark bound)")
-      ->check(CLI::IsMember({"on", "off"}))->capture_default_str();
+  app.add_option("--sync", cfg.sync,
+                 "allreduce the gradients (on); benchmark bounds: off, every rank trains alone; lockstep, every "
+                 "rank trains alone but the ranks meet at a barrier after each backward (the cost of "
+                 "synchronous steps without any data)")
+      ->check(CLI::IsMember({"on", "off", "lockstep"}))->capture_default_str();
   app.add_flag_callback("--no-sync", [&] { cfg.sync = "off"; }, "same as --sync off");
   app.add_option("--compression", cfg.compression, "gradient compression for the allreduce")
       ->check(CLI::IsMember({"none", "fp16", "bf16"}))->capture_default_str();
-  app.add_flag("--gradient-as-bucket-view", cfg.bucket_view, "gradients live in the DDP buckets (no copy)");
+  app.add_flag("--gradient-as-bucket-view,!--no-gradient-as-bucket-view", cfg.bucket_view,
+               "gradients live in the DDP buckets (the default; --no-gradient-as-bucket-view: .grad tensors of "
+               "their own, copied in and out)");
   app.add_option("--overlap", cfg.overlap,
                  "run bucket allreduces behind backward on the group's thread (on), or in the backward "
                  "thread as each bucket is ready (off)")

@@ -134,9 +134,9 @@ TEST_P(Golden, NoSyncAccumulationMatches) {
   EXPECT_EQ(testing::run_ranks(GetParam(), [&](int r, int w, std::shared_ptr<Store>) { run_variant(r, w, v); }), "");
 }
 
-TEST_P(Golden, GradientAsBucketViewMatches) {
+TEST_P(Golden, GradientCopiesMatch) {
   Variant v;
-  v.options.gradient_as_bucket_view = true;
+  v.options.gradient_as_bucket_view = false;
   EXPECT_EQ(testing::run_ranks(GetParam(), [&](int r, int w, std::shared_ptr<Store>) { run_variant(r, w, v); }), "");
 }
 
@@ -224,10 +224,10 @@ TEST(DdpBuckets, OneExtraGradientCopyAndNoneWithViews) {
   std::string err = testing::run_ranks(1, [](int, int, std::shared_ptr<Store>) {
     dist::init_process_group();
     GoldenNet a, b;
-    DistributedDataParallel copy(a);
     Options o;
-    o.gradient_as_bucket_view = true;
-    DistributedDataParallel view(b, o);
+    o.gradient_as_bucket_view = false;
+    DistributedDataParallel copy(a, o);
+    DistributedDataParallel view(b);  // the default
     if (copy.stats().bucket_bytes != copy.stats().gradient_bytes) throw std::runtime_error("copy mode: not one copy");
     if (view.stats().bucket_bytes != 0) throw std::runtime_error("view mode: extra bytes");
   });

@@ -48,7 +48,11 @@ struct Options {
   bool find_unused_parameters = false;
   bool broadcast_buffers = true;   // rank 0's buffers (e.g. BatchNorm statistics) before each forward
   Compression compression = Compression::kNone;
-  bool gradient_as_bucket_view = false;  // .grad tensors are views into the buckets: no copy
+  // .grad tensors alias the buckets: backward accumulates straight into them, and no gradient is
+  // copied in or out (PyTorch's default is false; here the aliases are plain tensors, not autograd
+  // views, so optimizers' detach_() works and there is no reason to pay the copies). It cut the
+  // MLP's step time by about 10% in bench/compare-ddp. Set false for .grad tensors of their own.
+  bool gradient_as_bucket_view = true;
   // Whether a bucket's allreduce runs on the group's worker thread while backward goes on
   // (kAlways, the default), or in the backward thread as soon as the bucket is ready (kNever:
   // no second busy thread per rank, for hosts where every core computes and the allreduce is
