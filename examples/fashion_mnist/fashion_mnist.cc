@@ -391,7 +391,8 @@ void run_rank(const Config& cfg) {
           {"comm_ms_mean", sync && steps > 0 ? comm_ms / static_cast<double>(steps) : 0.0},
           // Share of the allreduce time that ran while backward was still computing.
           {"hidden_fraction", sync && comm_ms > 0 ? std::max(0.0, 1.0 - comm_wait_ms / comm_ms) : 0.0},
-          {"bucket_bytes", ddp.stats().bucket_bytes}}},
+          {"bucket_bytes", ddp.stats().bucket_bytes},
+          {"shared_bytes", ddp.stats().shared_bytes}}},
     };
     std::ofstream out(cfg.metrics_json);
     out << m.dump(2) << "\n";

@@ -2,6 +2,9 @@
 // Data are small integers, so every reduction is exact and results compare bit for bit.
 #include <gtest/gtest.h>
 
+#include <dirent.h>
+#include <unistd.h>
+
 #include <cmath>
 #include <cstring>
 #include <sstream>
@@ -316,6 +319,75 @@ TEST_P(Conformance, PointToPointObjectsAndSubgroups) {
     pg->allreduce(&all, 1, DataType::kInt64)->wait();
     if (all != w) throw std::runtime_error("parent allreduce after sub-group wrong");
   }, std::chrono::seconds(60)), "");
+}
+
+// Names in /dev/shm that belong to this process (chorus-<pidns>-<pid>-...).
+std::vector<std::string> my_shm_names() {
+  std::vector<std::string> out;
+  const std::string tag = "-" + std::to_string(::getpid()) + "-";
+  if (DIR* d = ::opendir("/dev/shm")) {
+    while (dirent* e = ::readdir(d)) {
+      const std::string n = e->d_name;
+      if (n.rfind("chorus-", 0) == 0 && n.find(tag) != std::string::npos) out.push_back(n);
+    }
+    ::closedir(d);
+  }
+  return out;
+}
+
+// ProcessGroup::allocate_buffer: shared across ranks over shm (allreduce in place, in the peers'
+// copies), ordinary memory elsewhere; the same results either way, used again and again, whole
+// or by range, and the memory outlives the group.
+TEST_P(Conformance, AllocatedBuffersAllreduceInPlace) {
+  const SuiteSetup setup = GetParam();
+  EXPECT_EQ(testing::run_ranks(setup.world, [&](int rank, int w, std::shared_ptr<Store>) {
+    auto pg = connect_process_group("env://", rank, w, test_options(setup, rank, 96, 64, true));
+    const size_t count = 70001;  // not a multiple of anything: uneven slices
+    auto a = pg->allocate_buffer(count * 8 + 13);
+    auto b = pg->allocate_buffer(1000 * 4);
+    const bool want_shared = pg->transport() == "shm";
+    if (a->shared() != want_shared || b->shared() != want_shared) throw std::runtime_error("shared() is wrong");
+    if (a->size() < count * 8 + 13 || reinterpret_cast<uintptr_t>(a->data()) % 64 != 0) {
+      throw std::runtime_error("allocate_buffer: too small or misaligned");
+    }
+    for (size_t i = 0; i < a->size(); ++i) {
+      if (static_cast<char*>(a->data())[i] != 0) throw std::runtime_error("allocate_buffer: not zero-filled");
+    }
+    if (!my_shm_names().empty()) throw std::runtime_error("a shared buffer's name is left in /dev/shm: " + my_shm_names()[0]);
+    // Whole buffer and a range at the same offset on every rank, every dtype, every op.
+    for (DataType t : kAllTypes) {
+      for (ReduceOp op : kAllOps) {
+        for (size_t offset : {size_t{0}, size_t{3}}) {
+          const size_t n = offset == 0 ? count : 999;
+          char* p = static_cast<char*>(a->data()) + offset * element_size(t);
+          Buf want(n, t);
+          for (size_t i = 0; i < n; ++i) {
+            put(t, p, i, value(op, rank, i));
+            put(t, want.p, i, expected_value(t, op, w, i));
+          }
+          pg->allreduce(p, n, t, op)->wait();
+          expect_equal(label("allreduce in an allocated buffer", t, n, to_string(op)), t, p, want.p, n);
+        }
+      }
+    }
+    // Used again and again, alternating two buffers, as DDP does with its buckets.
+    for (int round = 0; round < 20; ++round) {
+      for (auto* buf : {a.get(), b.get()}) {
+        const size_t n = buf->size() / 4;
+        int32_t* v = static_cast<int32_t*>(buf->data());
+        for (size_t i = 0; i < n; ++i) v[i] = rank + round + static_cast<int32_t>(i % 7);
+        pg->allreduce(v, n, DataType::kInt32)->wait();
+        for (size_t i = 0; i < n; ++i) {
+          const int32_t want = w * (round + static_cast<int32_t>(i % 7)) + w * (w - 1) / 2;
+          if (v[i] != want) throw std::runtime_error("round " + std::to_string(round) + ": element " + std::to_string(i));
+        }
+      }
+    }
+    pg->shutdown();
+    pg.reset();
+    std::memset(a->data(), 7, a->size());  // still mapped after the group is gone
+    if (static_cast<char*>(a->data())[a->size() - 1] != 7) throw std::runtime_error("buffer after the group");
+  }, std::chrono::seconds(120)), "");
 }
 
 std::vector<SuiteSetup> setups() {

@@ -145,6 +145,31 @@ TEST_P(Failure, MismatchedCollectiveRaisesOnEveryRankStatingBothCalls) {
   }
 }
 
+// Over shared memory an allreduce in an allocated buffer reads the peers' copies, so every rank
+// must use one (the same buffer and range) or none; elsewhere it is ordinary memory and works.
+TEST_P(Failure, AllocatedBufferOnSomeRanksOnly) {
+  auto reports = testing::run_ranks_independent(2, [&](int rank, int w) -> std::string {
+    auto pg = connect_process_group("env://", rank, w, opts(milliseconds(3000), rank, w));
+    auto buf = pg->allocate_buffer(100000 * sizeof(float));
+    std::vector<float> plain(100000, 1.0f);
+    float* mine = rank == 0 ? static_cast<float*>(buf->data()) : plain.data();
+    std::fill(mine, mine + 100000, 1.0f);
+    std::string r = outcome([&] { pg->allreduce(mine, 100000, DataType::kFloat32)->wait(); });
+    if (r == "ok" && (mine[0] != 2.0f || mine[99999] != 2.0f)) return "wrong result";
+    return r;
+  });
+  for (const auto& r : reports) {
+    SCOPED_TRACE(r.text);
+    if (GetParam() == "shm") {
+      EXPECT_EQ(r.text.rfind("MismatchError", 0), 0u);
+      EXPECT_NE(r.text.find("shared buffer #0 at byte 0"), std::string::npos);
+      EXPECT_NE(r.text.find("ordinary memory"), std::string::npos);
+    } else {
+      EXPECT_EQ(r.text, "ok");
+    }
+  }
+}
+
 TEST_P(Failure, MismatchedCountRaisesOnEveryRank) {
   auto reports = testing::run_ranks_independent(2, [&](int rank, int w) -> std::string {
     auto pg = connect_process_group("env://", rank, w, opts(milliseconds(3000), rank, w));

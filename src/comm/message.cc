@@ -20,6 +20,7 @@ const char* op_name(OpType op) {
     case OpType::kRecv: return "recv";
     case OpType::kAllgatherObject: return "all_gather_object";
     case OpType::kBroadcastObject: return "broadcast_object";
+    case OpType::kAllocateBuffer: return "allocate_buffer";
   }
   return "unknown-op";
 }

@@ -35,6 +35,7 @@ enum class OpType : uint8_t {
   kRecv,
   kAllgatherObject,
   kBroadcastObject,
+  kAllocateBuffer,  // ProcessGroup::allocate_buffer: count = bytes
 };
 const char* op_name(OpType op);
 

@@ -1,5 +1,6 @@
 #include "chorus/comm/process_group.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <condition_variable>
@@ -8,6 +9,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <new>
 #include <set>
 #include <thread>
 
@@ -557,6 +559,49 @@ std::shared_ptr<Work> ProcessGroup::recv(void* data, size_t count, DataType dtyp
                    [&m, data, bytes, src](WorkImpl&, const Call& c) {
                      m.transport->wait(m.transport->recv(src, c, data, bytes));
                    }, src);
+}
+
+namespace {
+
+class SharedBuffer final : public Buffer {
+ public:
+  explicit SharedBuffer(std::shared_ptr<transport::SharedRegion> r) : r_(std::move(r)) {}
+  void* data() override { return r_->data(); }
+  size_t size() const override { return r_->size(); }
+  bool shared() const override { return true; }
+
+ private:
+  std::shared_ptr<transport::SharedRegion> r_;
+};
+
+class HeapBuffer final : public Buffer {
+ public:
+  explicit HeapBuffer(size_t bytes) : bytes_(bytes), p_(std::aligned_alloc(64, std::max<size_t>(64, (bytes + 63) / 64 * 64))) {
+    if (p_ == nullptr) throw std::bad_alloc();
+    std::memset(p_, 0, bytes_);
+  }
+  ~HeapBuffer() override { std::free(p_); }
+  void* data() override { return p_; }
+  size_t size() const override { return bytes_; }
+  bool shared() const override { return false; }
+
+ private:
+  size_t bytes_;
+  void* p_;
+};
+
+}  // namespace
+
+std::shared_ptr<Buffer> ProcessGroup::allocate_buffer(size_t bytes) {
+  Impl& m = *impl_;
+  auto region = std::make_shared<std::shared_ptr<transport::SharedRegion>>();
+  auto work = m.enqueue(OpType::kAllocateBuffer, DataType::kUInt8, ReduceOp::kSum, bytes, 0,
+                        [&m, region, bytes](WorkImpl&, const Call&) {
+    if (m.size > 1) *region = m.transport->allocate_shared(bytes);
+  });
+  work->wait();
+  if (*region) return std::make_shared<SharedBuffer>(std::move(*region));
+  return std::make_shared<HeapBuffer>(bytes);
 }
 
 // The object collectives send from buffers of their own. They live in state the task owns, not on

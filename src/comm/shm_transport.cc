@@ -10,6 +10,9 @@
 //   previous chunk's copy-out.
 // - Waiting spins for spin_us, then sleeps on a futex in the waiter's own header ("doorbell");
 //   whoever changes something a peer may wait on rings the peer's doorbell.
+// - Shared buffers (allocate_shared): one more segment per rank per buffer, mapped by every rank.
+//   An allreduce on one reduces each rank's slice straight out of the peers' buffers and writes
+//   the result into all of them: two barriers and no staging copies.
 
 #include <fcntl.h>
 #include <linux/futex.h>
@@ -58,6 +61,10 @@ struct alignas(64) Padded64 {
 struct Desc {
   std::atomic<uint64_t> seq_plus_one{0};  // 0 = empty
   wire::Call call;
+  // An allreduce on a shared buffer: its id + 1 and the byte offset in it (0, 0 for other memory).
+  // Written in begin() and by native_allreduce, before the call's first barrier.
+  std::atomic<uint64_t> region{0};
+  std::atomic<uint64_t> offset{0};
 };
 
 // The operation a rank is in now, point-to-point included, for messages and deadlock detection.
@@ -166,6 +173,28 @@ Layout layout(const ShmOptions& o, int size) {
   l.seg_bytes = l.coll_off + 2 * l.chunk;
   return l;
 }
+
+// One shared buffer: every rank's copy, mapped here. Unmapped when the last user lets go.
+class Region final : public SharedRegion {
+ public:
+  Region(uint64_t id, size_t bytes, int rank, int size) : id_(id), bytes_(bytes), rank_(rank), bases_(size, nullptr) {}
+  ~Region() override {
+    for (void* b : bases_) {
+      if (b != nullptr) ::munmap(b, bytes_);
+    }
+  }
+  void* data() override { return bases_[static_cast<size_t>(rank_)]; }
+  size_t size() const override { return bytes_; }
+  uint64_t id() const { return id_; }
+  char* base(int r) const { return static_cast<char*>(bases_[static_cast<size_t>(r)]); }
+  void set_base(int r, void* b) { bases_[static_cast<size_t>(r)] = b; }
+
+ private:
+  uint64_t id_;
+  size_t bytes_;
+  int rank_;
+  std::vector<void*> bases_;
+};
 
 class ShmTransport final : public ShmTransportApi {
  public:
@@ -283,6 +312,8 @@ class ShmTransport final : public ShmTransportApi {
     if (call.op != wire::OpType::kSend && call.op != wire::OpType::kRecv) {
       Desc& d = me_hdr()->desc[call.seq % kDescHistory];
       d.call = call;
+      d.region.store(0, std::memory_order_relaxed);
+      d.offset.store(0, std::memory_order_relaxed);
       d.seq_plus_one.store(call.seq + 1, std::memory_order_release);
     }
   }
@@ -309,8 +340,92 @@ class ShmTransport final : public ShmTransportApi {
   }
 
   bool native_allreduce(void* buf, size_t count, DataType dtype, ReduceOp op) override {
-    allreduce_with(buf, count, dtype, op, nullptr);
+    const size_t bytes = count * element_size(dtype);
+    std::shared_ptr<Region> region;
+    size_t offset = 0;
+    if (bytes > 0) region = find_region(buf, bytes, &offset);
+    if (region) {
+      // Published before the first barrier, so that check_agreement() sees it: ranks that disagree
+      // about where their buffers live fail instead of reading each other's memory.
+      Desc& d = me_hdr()->desc[call_.seq % kDescHistory];
+      d.offset.store(offset, std::memory_order_relaxed);
+      d.region.store(region->id() + 1, std::memory_order_release);
+      allreduce_shared(*region, offset, count, dtype, op);
+    } else {
+      allreduce_with(buf, count, dtype, op, nullptr);
+    }
     return true;
+  }
+
+  std::shared_ptr<SharedRegion> allocate_shared(size_t bytes) override {
+    const int n = o_.size;
+    const size_t len = align_up(std::max<size_t>(bytes, 1), 4096);
+    const uint64_t id = next_region_++;
+    // This rank's copy: a segment of its own, reserved now (a full /dev/shm must not surface later
+    // as SIGBUS). A failure is not an error yet: every rank learns every rank's outcome, and all
+    // fall back to ordinary memory together.
+    struct Record {
+      char ok;
+      char text[255];
+    } mine{}, *all = nullptr;
+    std::vector<Record> records(static_cast<size_t>(n));
+    all = records.data();
+    const std::string name = name_ + "-buffer" + std::to_string(id);
+    int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+    int err = fd < 0 ? errno : ::posix_fallocate(fd, 0, static_cast<off_t>(len));
+    void* base = MAP_FAILED;
+    if (err == 0) {
+      base = ::mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      if (base == MAP_FAILED) err = errno;
+    }
+    if (fd >= 0) ::close(fd);
+    if (err == 0) {
+      mine.ok = 1;
+      std::snprintf(mine.text, sizeof(mine.text), "%s", name.c_str());
+    } else {
+      if (fd >= 0) ::shm_unlink(name.c_str());
+      std::snprintf(mine.text, sizeof(mine.text), "cannot reserve %zu bytes of shared memory: %s", len,
+                    std::strerror(err));
+    }
+    auto region = std::make_shared<Region>(id, len, o_.rank, n);
+    if (base != MAP_FAILED) region->set_base(o_.rank, base);
+    native_allgather(&mine, all, sizeof(Record));
+    std::string failed;
+    for (int r = 0; r < n && failed.empty(); ++r) {
+      if (!records[static_cast<size_t>(r)].ok) {
+        records[static_cast<size_t>(r)].text[sizeof(mine.text) - 1] = '\0';
+        failed = "rank " + std::to_string(global(r)) + ": " + records[static_cast<size_t>(r)].text;
+      }
+    }
+    if (!failed.empty()) {
+      if (mine.ok) ::shm_unlink(name.c_str());
+      if (o_.rank == 0) {
+        std::fprintf(stderr, "chorus: %s: a shared buffer of %zu bytes is not available (%s); using ordinary memory, "
+                     "whose allreduce copies through the staging areas\n", me().c_str(), len, failed.c_str());
+      }
+      return nullptr;
+    }
+    for (int r = 0; r < n; ++r) {
+      if (r == o_.rank) continue;
+      Record& rec = records[static_cast<size_t>(r)];
+      rec.text[sizeof(rec.text) - 1] = '\0';
+      int pfd = ::shm_open(rec.text, O_RDWR | O_CLOEXEC, 0600);
+      void* pb = pfd < 0 ? MAP_FAILED : ::mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_SHARED, pfd, 0);
+      const int e = errno;
+      if (pfd >= 0) ::close(pfd);
+      if (pb == MAP_FAILED) {
+        ::shm_unlink(name.c_str());
+        throw Error(me() + ": cannot map " + peer_name(r) + "'s shared buffer " + rec.text + ": " + std::strerror(e));
+      }
+      region->set_base(r, pb);
+    }
+    // Every rank has mapped every copy: the names can go, so nothing outlives the processes.
+    barrier("to map the shared buffers");
+    ::shm_unlink(name.c_str());
+    regions_.erase(std::remove_if(regions_.begin(), regions_.end(), [](const auto& w) { return w.expired(); }),
+                   regions_.end());
+    regions_.push_back(region);
+    return region;
   }
 
   bool native_broadcast(void* buf, size_t bytes, int root) override {
@@ -407,6 +522,42 @@ class ShmTransport final : public ShmTransportApi {
         if (k != o_.rank) std::memcpy(chunk + sk.offset * esz, area(k, half) + sk.offset * esz, sk.count * esz);
       }
     });
+  }
+
+  // The shared buffer holding [buf, buf + bytes) on this rank, and the offset of buf in it.
+  std::shared_ptr<Region> find_region(const void* buf, size_t bytes, size_t* offset) const {
+    const char* p = static_cast<const char*>(buf);
+    for (const auto& w : regions_) {
+      auto r = w.lock();
+      if (!r) continue;
+      const char* b = r->base(o_.rank);
+      if (p >= b && p + bytes <= b + r->size()) {
+        *offset = static_cast<size_t>(p - b);
+        return r;
+      }
+    }
+    return nullptr;
+  }
+
+  // Allreduce of a range that lives at the same offset of a shared buffer on every rank: each rank
+  // reduces its slice out of every rank's copy and writes the result into all of them.
+  void allreduce_shared(const Region& region, size_t offset, size_t count, DataType dtype, ReduceOp op) {
+    const int n = o_.size;
+    const size_t esz = element_size(dtype);
+    barrier("to have its buffer ready");
+    check_agreement();
+    const plan::Range s = plan::split(count, n, o_.rank);
+    const size_t at = offset + s.offset * esz;
+    char* acc = region.base(o_.rank) + at;
+    // Every slice is reduced once, in the same order of ranks, and copied: all ranks get the same bits.
+    for (int k = 0; k < n; ++k) {
+      if (k != o_.rank) reduce::reduce_into(dtype, op, acc, region.base(k) + at, s.count);
+    }
+    if (op == ReduceOp::kAvg) reduce::finish_avg(dtype, acc, s.count, n);
+    for (int k = 0; k < n; ++k) {
+      if (k != o_.rank) std::memcpy(region.base(k) + at, acc, s.count * esz);
+    }
+    barrier("to write its reduced slice into every rank's buffer");
   }
 
   void abort(const std::string& reason, uint8_t error_class) override {
@@ -653,7 +804,10 @@ class ShmTransport final : public ShmTransportApi {
       if (d.seq_plus_one.load(std::memory_order_relaxed) == seen) break;
     }
     if (seen == call_.seq + 1) {
-      if (wire::same_call(wire::make_header(theirs, 0), call_)) return;
+      if (wire::same_call(wire::make_header(theirs, 0), call_)) {
+        if (strict) check_same_buffer(peer, d);
+        return;
+      }
     } else if (!strict) {
       return;
     } else {
@@ -672,6 +826,24 @@ class ShmTransport final : public ShmTransportApi {
                         peer_name(peer) + " called " + wire::describe(theirs) +
                         "; every rank must call the same collectives in the same order with the same "
                         "dtype, count, op and root");
+  }
+
+  // Past the first barrier, the peer's descriptor for this call is final: an allreduce on a shared
+  // buffer must use the same buffer and offset on every rank (each rank reads the others' copies),
+  // and either every rank's memory is shared or none is.
+  void check_same_buffer(int peer, const Desc& d) const {
+    const Desc& m = me_hdr()->desc[call_.seq % kDescHistory];
+    const uint64_t mr = m.region.load(std::memory_order_relaxed), mo = m.offset.load(std::memory_order_relaxed);
+    const uint64_t tr = d.region.load(std::memory_order_relaxed), to = d.offset.load(std::memory_order_relaxed);
+    if (mr == tr && mo == to) return;
+    auto where = [](uint64_t r, uint64_t o) {
+      return r == 0 ? std::string("ordinary memory")
+                    : "shared buffer #" + std::to_string(r - 1) + " at byte " + std::to_string(o);
+    };
+    throw MismatchError(me() + ": " + wire::describe(call_) + ": this rank's data is in " + where(mr, mo) + " but " +
+                        peer_name(peer) + "'s is in " + where(tr, to) +
+                        "; buffers from ProcessGroup::allocate_buffer must be used the same way on every rank "
+                        "(the same buffer and range everywhere, or none)");
   }
 
   // After the first barrier of a native collective every peer has published its call: check them
@@ -858,6 +1030,8 @@ class ShmTransport final : public ShmTransportApi {
   size_t ring_bytes_ = 0, coll_half_ = 0, rings_off_ = 0, ring_stride_ = 0, coll_off_ = 0, seg_bytes_ = 0;
   std::string name_;
   bool named_ = false;
+  uint64_t next_region_ = 0;
+  std::vector<std::weak_ptr<Region>> regions_;  // the shared buffers still alive
   std::vector<Segment> segs_;
   std::vector<int> pidfds_;
   std::vector<std::deque<SendItem>> sends_;

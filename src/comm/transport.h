@@ -30,6 +30,15 @@ namespace chorus::transport {
 
 using Ticket = uint64_t;
 
+// A buffer that every rank of a group maps (see Transport::allocate_shared). It keeps its own
+// mappings: it may outlive the transport that made it.
+class SharedRegion {
+ public:
+  virtual ~SharedRegion() = default;
+  virtual void* data() = 0;  // this rank's buffer, page-aligned, zero-filled when made
+  virtual size_t size() const = 0;
+};
+
 // A posted send or receive, as the transports queue them per peer.
 struct SendItem {
   Ticket ticket;
@@ -77,6 +86,13 @@ class Transport {
   virtual bool native_broadcast(void* buf, size_t bytes, int root) { return false; }
   // Every rank contributes `bytes` at `in`; `out` receives rank r's block at r * bytes.
   virtual bool native_allgather(const void* in, void* out, size_t bytes) { return false; }
+
+  // A buffer of `bytes` that every rank maps, so that native_allreduce on it (or on the same range
+  // of it on every rank) reduces straight out of the peers' buffers and writes the results into
+  // them, with no staging copies; for buffers allreduced again and again (DDP's buckets). nullptr
+  // when this transport cannot share memory or the memory is not there (the caller then uses
+  // ordinary memory). Runs as an operation of its own: begin() first, every rank, same bytes.
+  virtual std::shared_ptr<SharedRegion> allocate_shared(size_t bytes) { return nullptr; }
 
   // Busy-polling is allowed only while *gate > 0 (a thread waits for the group's work, so its core
   // is idle); otherwise the transport sleeps as soon as it must wait. nullptr: always allowed.

@@ -296,11 +296,23 @@ Reducer::Reducer(torch::nn::Module& module, Options options) : impl_(std::make_u
       total += m.params[i].numel();
     }
     const at::Tensor& first = m.params[bucket.params[0]];
-    bucket.flat = at::zeros({total}, first.options().requires_grad(false));
-    if (options.compression != Compression::kNone && at::isFloatingType(first.scalar_type()) &&
-        first.scalar_type() != at::kHalf && first.scalar_type() != at::kBFloat16) {
-      bucket.wire = at::empty({total}, first.options().requires_grad(false)
-                                           .dtype(options.compression == Compression::kFloat16 ? at::kHalf : at::kBFloat16));
+    const bool compress = options.compression != Compression::kNone && at::isFloatingType(first.scalar_type()) &&
+                          first.scalar_type() != at::kHalf && first.scalar_type() != at::kBFloat16;
+    // What travels lives in memory from the group's allocate_buffer (collective: every rank builds
+    // the same buckets in the same order): over shared memory its allreduce works in place across
+    // the ranks, with no staging copies.
+    auto group_memory = [&](at::ScalarType dtype) {
+      std::shared_ptr<Buffer> buf = m.pg->allocate_buffer(static_cast<size_t>(total) * c10::elementSize(dtype));
+      if (buf->shared()) m.stats.shared_bytes += static_cast<int64_t>(buf->size());
+      void* data = buf->data();
+      return at::from_blob(data, {total}, [buf](void*) mutable { buf.reset(); },
+                           first.options().dtype(dtype).requires_grad(false));
+    };
+    if (compress) {
+      bucket.flat = at::zeros({total}, first.options().requires_grad(false));
+      bucket.wire = group_memory(options.compression == Compression::kFloat16 ? at::kHalf : at::kBFloat16);
+    } else {
+      bucket.flat = group_memory(first.scalar_type());
     }
     bucket.pending = bucket.params.size();
     m.stats.gradient_bytes += total * static_cast<int64_t>(first.element_size());

@@ -67,6 +67,7 @@ struct Stats {
   int buckets = 0;
   int64_t gradient_bytes = 0;      // bytes of gradients synchronised per step
   int64_t bucket_bytes = 0;        // bytes held in bucket buffers (the extra gradient copy)
+  int64_t shared_bytes = 0;        // bucket memory every rank maps (shared memory): allreduced in place
   double backward_ms = 0;          // from the first gradient hook to the end of backward
   double comm_ms = 0;              // time the bucket allreduces ran, in total
   double comm_wait_ms = 0;         // time the end of backward waited for them: the exposed part
