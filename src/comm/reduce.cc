@@ -152,6 +152,18 @@ void reduce_into(DataType dtype, ReduceOp op, void* dst, const void* src, size_t
   throw UsageError(std::string("unsupported reduction ") + to_string(op) + " on " + to_string(dtype));
 }
 
+namespace {
+CHORUS_CLONES void sum_pair_loop(float* __restrict a, float* __restrict b, size_t n, float scale) {
+  for (size_t i = 0; i < n; ++i) {
+    const float v = (a[i] + b[i]) * scale;
+    a[i] = v;
+    b[i] = v;
+  }
+}
+}  // namespace
+
+void sum_pair_f32(float* a, float* b, size_t n, bool average) { sum_pair_loop(a, b, n, average ? 0.5f : 1.0f); }
+
 void finish_avg(DataType dtype, void* data, size_t n, int divisor) {
   if (n == 0 || divisor == 1) return;
   switch (dtype) {

@@ -17,6 +17,10 @@ void reduce_into(DataType dtype, ReduceOp op, void* dst, const void* src, size_t
 // Divides each of n elements by `divisor` (integers: truncation toward zero).
 void finish_avg(DataType dtype, void* data, size_t n, int divisor);
 
+// Two ranks' float32 copies reduced into both in one pass: a[i] = b[i] = a[i] + b[i], halved when
+// `average` (exact, so the bits equal reduce_into then finish_avg(.., 2)).
+void sum_pair_f32(float* a, float* b, size_t n, bool average);
+
 // Conversions, exposed for tests.
 float half_to_float(uint16_t h);
 uint16_t float_to_half(float f);

@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -28,6 +29,27 @@ TEST(Reduce, Float32AllOpsOverVectorAndTailLengths) {
     x = a;
     reduce_into(DataType::kFloat32, ReduceOp::kMax, x.data(), b.data(), n);
     for (size_t i = 0; i < n; ++i) ASSERT_EQ(x[i], std::max(a[i], b[i]));
+  }
+}
+
+// The fused two-copy kernel gives the same bits as the two-step sum (and average), in both copies.
+TEST(Reduce, SumPairMatchesReduceThenAverage) {
+  for (size_t n : {0, 1, 3, 15, 16, 17, 64, 1000, 1027}) {
+    for (bool average : {false, true}) {
+      std::vector<float> a(n), b(n);
+      for (size_t i = 0; i < n; ++i) {
+        a[i] = std::ldexp(static_cast<float>(i % 97) - 48.3f, static_cast<int>(i % 11) - 140);  // subnormals too
+        b[i] = static_cast<float>(i % 7) * 0.37f - 1.1f;
+      }
+      auto want = a;
+      reduce_into(DataType::kFloat32, average ? ReduceOp::kAvg : ReduceOp::kSum, want.data(), b.data(), n);
+      if (average) finish_avg(DataType::kFloat32, want.data(), n, 2);
+      sum_pair_f32(a.data(), b.data(), n, average);
+      for (size_t i = 0; i < n; ++i) {
+        ASSERT_EQ(std::memcmp(&a[i], &want[i], 4), 0) << "element " << i << " of " << n;
+        ASSERT_EQ(std::memcmp(&b[i], &want[i], 4), 0) << "element " << i << " of " << n;
+      }
+    }
   }
 }
 

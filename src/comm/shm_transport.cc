@@ -549,6 +549,13 @@ class ShmTransport final : public ShmTransportApi {
     const plan::Range s = plan::split(count, n, o_.rank);
     const size_t at = offset + s.offset * esz;
     char* acc = region.base(o_.rank) + at;
+    if (n == 2 && dtype == DataType::kFloat32 && (op == ReduceOp::kSum || op == ReduceOp::kAvg)) {
+      // DDP's case: read both copies once, write both once.
+      reduce::sum_pair_f32(reinterpret_cast<float*>(acc), reinterpret_cast<float*>(region.base(1 - o_.rank) + at),
+                           s.count, op == ReduceOp::kAvg);
+      barrier("to write its reduced slice into every rank's buffer");
+      return;
+    }
     // Every slice is reduced once, in the same order of ranks, and copied: all ranks get the same bits.
     for (int k = 0; k < n; ++k) {
       if (k != o_.rank) reduce::reduce_into(dtype, op, acc, region.base(k) + at, s.count);
