@@ -379,11 +379,18 @@ class ShmTransport final : public ShmTransportApi {
       if (base == MAP_FAILED) err = errno;
     }
     if (fd >= 0) ::close(fd);
+    // The name goes when every rank has mapped the copy, or at once if this operation fails.
+    struct Unlink {
+      std::string name;
+      bool armed;
+      ~Unlink() {
+        if (armed) ::shm_unlink(name.c_str());
+      }
+    } unlink_on_exit{name, fd >= 0};
     if (err == 0) {
       mine.ok = 1;
       std::snprintf(mine.text, sizeof(mine.text), "%s", name.c_str());
     } else {
-      if (fd >= 0) ::shm_unlink(name.c_str());
       std::snprintf(mine.text, sizeof(mine.text), "cannot reserve %zu bytes of shared memory: %s", len,
                     std::strerror(err));
     }
@@ -398,7 +405,6 @@ class ShmTransport final : public ShmTransportApi {
       }
     }
     if (!failed.empty()) {
-      if (mine.ok) ::shm_unlink(name.c_str());
       if (o_.rank == 0) {
         std::fprintf(stderr, "chorus: %s: a shared buffer of %zu bytes is not available (%s); using ordinary memory, "
                      "whose allreduce copies through the staging areas\n", me().c_str(), len, failed.c_str());
@@ -414,14 +420,12 @@ class ShmTransport final : public ShmTransportApi {
       const int e = errno;
       if (pfd >= 0) ::close(pfd);
       if (pb == MAP_FAILED) {
-        ::shm_unlink(name.c_str());
         throw Error(me() + ": cannot map " + peer_name(r) + "'s shared buffer " + rec.text + ": " + std::strerror(e));
       }
       region->set_base(r, pb);
     }
     // Every rank has mapped every copy: the names can go, so nothing outlives the processes.
     barrier("to map the shared buffers");
-    ::shm_unlink(name.c_str());
     regions_.erase(std::remove_if(regions_.begin(), regions_.end(), [](const auto& w) { return w.expired(); }),
                    regions_.end());
     regions_.push_back(region);
