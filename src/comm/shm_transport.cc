@@ -303,14 +303,14 @@ class ShmTransport final : public ShmTransportApi {
     call_ = call;
     start_ = Clock::now();
     deadline_ = deadline;
-    CurrentCall& cur = me_hdr()->current;
+    CurrentCall& cur = my_hdr().current;
     const uint64_t v = cur.version.load(std::memory_order_relaxed);
     cur.version.store(v + 1, std::memory_order_relaxed);
     std::atomic_thread_fence(std::memory_order_release);
     cur.call = call;
     cur.version.store(v + 2, std::memory_order_release);
     if (call.op != wire::OpType::kSend && call.op != wire::OpType::kRecv) {
-      Desc& d = me_hdr()->desc[call.seq % kDescHistory];
+      Desc& d = my_hdr().desc[call.seq % kDescHistory];
       d.call = call;
       d.region.store(0, std::memory_order_relaxed);
       d.offset.store(0, std::memory_order_relaxed);
@@ -347,7 +347,7 @@ class ShmTransport final : public ShmTransportApi {
     if (region) {
       // Published before the first barrier, so that check_agreement() sees it: ranks that disagree
       // about where their buffers live fail instead of reading each other's memory.
-      Desc& d = me_hdr()->desc[call_.seq % kDescHistory];
+      Desc& d = my_hdr().desc[call_.seq % kDescHistory];
       d.offset.store(offset, std::memory_order_relaxed);
       d.region.store(region->id() + 1, std::memory_order_release);
       allreduce_shared(*region, offset, count, dtype, op);
@@ -619,6 +619,8 @@ class ShmTransport final : public ShmTransportApi {
   }
   std::string prefix() const { return me() + ": " + wire::describe(call_); }
   SegHeader* me_hdr() const { return segs_.empty() ? nullptr : segs_[static_cast<size_t>(o_.rank)].hdr; }
+  // This rank's header once setup has mapped it (every operation runs after setup).
+  SegHeader& my_hdr() const { return *segs_[static_cast<size_t>(o_.rank)].hdr; }
   int check_peer(int peer) const {
     if (peer < 0 || peer >= o_.size || peer == o_.rank) {
       throw UsageError(me() + ": invalid peer rank " + std::to_string(peer));
@@ -843,7 +845,7 @@ class ShmTransport final : public ShmTransportApi {
   // buffer must use the same buffer and offset on every rank (each rank reads the others' copies),
   // and either every rank's memory is shared or none is.
   void check_same_buffer(int peer, const Desc& d) const {
-    const Desc& m = me_hdr()->desc[call_.seq % kDescHistory];
+    const Desc& m = my_hdr().desc[call_.seq % kDescHistory];
     const uint64_t mr = m.region.load(std::memory_order_relaxed), mo = m.offset.load(std::memory_order_relaxed);
     const uint64_t tr = d.region.load(std::memory_order_relaxed), to = d.offset.load(std::memory_order_relaxed);
     if (mr == tr && mo == to) return;
