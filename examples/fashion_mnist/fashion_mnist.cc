@@ -12,6 +12,7 @@
 #include <torch/optim/sgd.h>
 #include <torch/utils.h>
 #include <dlfcn.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -80,6 +81,7 @@ struct Config {
   std::string overlap = "on";
   double bucket_cap_mb = 25.0;
   bool bucket_view = true;
+  bool bind_cpu = false;
   int64_t eval_limit = 0;  // 0: the whole test set
   int64_t log_every = 50;
   int64_t checkpoint_every = 0;  // also checkpoint every N steps (0: per epoch only)
@@ -189,8 +191,32 @@ void set_blas_threads(int n) {
   if (auto f = reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) f(n);
 }
 
+// Pins this process to the LOCAL_RANK-th CPU it may run on, when the host's ranks fit its CPUs:
+// ranks then never share a core or migrate, which steadies benchmarks on small machines. Called
+// before any thread starts, so the group's worker thread inherits it. Returns the CPU, or -1.
+int bind_to_cpu() {
+  const char* lr = std::getenv("LOCAL_RANK");
+  const char* lws = std::getenv("LOCAL_WORLD_SIZE");
+  const int local_rank = lr ? std::atoi(lr) : 0;
+  const int local_world = lws ? std::atoi(lws) : 1;
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (::sched_getaffinity(0, sizeof(allowed), &allowed) != 0 || local_world > CPU_COUNT(&allowed)) return -1;
+  int seen = 0;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (!CPU_ISSET(cpu, &allowed)) continue;
+    if (seen++ != local_rank) continue;
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(cpu, &one);
+    return ::sched_setaffinity(0, sizeof(one), &one) == 0 ? cpu : -1;
+  }
+  return -1;
+}
+
 void run_rank(const Config& cfg) {
   const auto start = Clock::now();
+  const int bound_cpu = cfg.bind_cpu ? bind_to_cpu() : -1;
   torch::set_num_threads(cfg.threads);
   set_blas_threads(cfg.threads);
   dist::init_process_group();
@@ -266,6 +292,7 @@ void run_rank(const Config& cfg) {
   bool stopped_by_signal = false;
   chorus::watch_signals();
   double train_seconds = 0, loss_sum = 0, comm_wait_ms = 0, comm_ms = 0, last_loss = 0;
+  double forward_s = 0, backward_s = 0, optimizer_s = 0;  // rank 0's phases, summed over steps
   int64_t samples = 0;
   std::vector<double> step_ms;
   std::optional<Evaluation> last_eval;
@@ -284,7 +311,9 @@ void run_rank(const Config& cfg) {
       at::Tensor y = train.labels.index_select(0, idx);
 
       optimizer.zero_grad();
+      const auto t_forward = Clock::now();
       at::Tensor loss = torch::nll_loss(ddp.forward(x), y);
+      const auto t_backward = Clock::now();
       if (sync) {
         loss.backward();  // DDP averages the gradients here
       } else {
@@ -292,8 +321,12 @@ void run_rank(const Config& cfg) {
         loss.backward();
       }
       if (lockstep) ddp.reducer().group().barrier()->wait();  // no data, but the ranks wait for each other
+      const auto t_optimizer = Clock::now();
       optimizer.step();
       const double l = loss.item<double>();
+      forward_s += std::chrono::duration<double>(t_backward - t_forward).count();
+      backward_s += std::chrono::duration<double>(t_optimizer - t_backward).count();
+      optimizer_s += seconds_since(t_optimizer);
       const double dt = seconds_since(t0);
 
       ++step;
@@ -370,6 +403,7 @@ void run_rank(const Config& cfg) {
         {"threads", cfg.threads},
         {"sync", sync},
         {"sync_mode", cfg.sync},
+        {"bound_cpu", bound_cpu},
         {"compression", cfg.compression},
         {"bucket_cap_mb", cfg.bucket_cap_mb},
         {"gradient_as_bucket_view", cfg.bucket_view},
@@ -378,6 +412,12 @@ void run_rank(const Config& cfg) {
         {"samples_per_s", samples_per_s},
         {"train_seconds", train_seconds},
         {"step_ms_p50", median(step_ms)},
+        // Rank 0's mean time per step in each phase; backward includes DDP's gradient sync (and
+        // the lockstep barrier). The rest of a step is cutting and normalising the batch.
+        {"phase_ms_mean",
+         {{"forward", steps > 0 ? 1e3 * forward_s / static_cast<double>(steps) : 0.0},
+          {"backward", steps > 0 ? 1e3 * backward_s / static_cast<double>(steps) : 0.0},
+          {"optimizer", steps > 0 ? 1e3 * optimizer_s / static_cast<double>(steps) : 0.0}}},
         {"wall_seconds", seconds_since(start)},
         {"train_loss", train_loss},
         {"last_loss", last_loss},  // rank 0's loss at the last step, exactly (resume checks)
@@ -436,6 +476,8 @@ int main(int argc, char** argv) {
   app.add_flag_callback("--no-sync", [&] { cfg.sync = "off"; }, "same as --sync off");
   app.add_option("--compression", cfg.compression, "gradient compression for the allreduce")
       ->check(CLI::IsMember({"none", "fp16", "bf16"}))->capture_default_str();
+  app.add_flag("--bind-cpu", cfg.bind_cpu,
+               "pin each rank to one CPU (the LOCAL_RANK-th it may use) when the host's ranks fit its CPUs");
   app.add_flag("--gradient-as-bucket-view,!--no-gradient-as-bucket-view", cfg.bucket_view,
                "gradients live in the DDP buckets (the default; --no-gradient-as-bucket-view: .grad tensors of "
                "their own, copied in and out)");
