@@ -367,9 +367,9 @@ class ShmTransport final : public ShmTransportApi {
     struct Record {
       char ok;
       char text[255];
-    } mine{}, *all = nullptr;
+    };
+    Record mine{};
     std::vector<Record> records(static_cast<size_t>(n));
-    all = records.data();
     const std::string name = name_ + "-buffer" + std::to_string(id);
     int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
     int err = fd < 0 ? errno : ::posix_fallocate(fd, 0, static_cast<off_t>(len));
@@ -396,11 +396,11 @@ class ShmTransport final : public ShmTransportApi {
     }
     auto region = std::make_shared<Region>(id, len, o_.rank, n);
     if (base != MAP_FAILED) region->set_base(o_.rank, base);
-    native_allgather(&mine, all, sizeof(Record));
+    native_allgather(&mine, records.data(), sizeof(Record));
     std::string failed;
     for (int r = 0; r < n && failed.empty(); ++r) {
       if (!records[static_cast<size_t>(r)].ok) {
-        records[static_cast<size_t>(r)].text[sizeof(mine.text) - 1] = '\0';
+        records[static_cast<size_t>(r)].text[sizeof(Record::text) - 1] = '\0';
         failed = "rank " + std::to_string(global(r)) + ": " + records[static_cast<size_t>(r)].text;
       }
     }
