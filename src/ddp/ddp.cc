@@ -7,6 +7,13 @@
 // whatever order its gradients arrive in. The first hook of a backward queues a callback that the
 // autograd engine runs when backward is done: it settles parameters that got no gradient, launches
 // what is left, waits, and writes the averages into .grad.
+//
+// Parity with PyTorch's DDP (1.13), checked by src/ddp/ddp_parity_test.py:
+// - Every parameter and buffer is broadcast from rank 0 at construction, frozen ones included.
+// - A tensor registered under several names (tied weights) is one parameter: reduced once.
+// - With find_unused_parameters, a bitmap of the parameters each rank used since the last
+//   synchronised backward is reduced (max) along with the buckets; a parameter no rank used keeps
+//   its .grad as it was (undefined stays undefined), so optimizers skip it as PyTorch's do.
 #include "chorus/ddp/ddp.h"
 
 #include <ATen/ATen.h>
@@ -20,6 +27,7 @@
 #include <map>
 #include <sstream>
 #include <thread>
+#include <unordered_map>
 
 #include "bucket_plan.h"
 #include "chorus/comm/error.h"
@@ -75,8 +83,11 @@ struct Reducer::Impl {
   Options opts;
   ProcessGroup* pg = nullptr;
   int world = 1;
-  std::vector<std::string> names;
+  std::vector<std::string> names;     // one per distinct parameter that requires a gradient
   std::vector<at::Tensor> params;
+  std::vector<std::string> described;  // every distinct parameter, frozen ones too: the agreement check
+  std::vector<at::Tensor> state;       // every distinct parameter: broadcast from rank 0 at construction
+  std::vector<char> used;              // parameter got a gradient since the last synchronised backward
   std::vector<std::string> buffer_names;
   std::vector<at::Tensor> buffers;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;  // keeps the hooks alive
@@ -105,7 +116,7 @@ struct Reducer::Impl {
 
   void check_agreement() {
     std::ostringstream mine;
-    for (size_t i = 0; i < params.size(); ++i) mine << describe_tensor(names[i], params[i]) << "\n";
+    for (const auto& line : described) mine << line << "\n";
     auto all = pg->all_gather_object(mine.str());
     all->wait();
     const auto& descs = all->objects();
@@ -180,6 +191,7 @@ struct Reducer::Impl {
   }
 
   void on_gradient(size_t i) {
+    used[i] = 1;        // also under no_sync: what accumulates there goes out at the next sync
     if (!sync) return;  // no_sync: gradients accumulate locally
     if (!in_backward) {
       in_backward = true;
@@ -208,6 +220,14 @@ struct Reducer::Impl {
       }
     }
     launch_ready();
+    // After every bucket, on every rank: the same collectives in the same order.
+    at::Tensor used_anywhere;
+    std::shared_ptr<Work> used_work;
+    if (opts.find_unused_parameters) {
+      used_anywhere = at::empty({static_cast<int64_t>(params.size())}, at::kByte);
+      std::copy(used.begin(), used.end(), used_anywhere.data_ptr<uint8_t>());
+      if (world > 1) used_work = dist::all_reduce(used_anywhere, ReduceOp::kMax, pg, /*async_op=*/true);
+    }
     const auto wait_start = Clock::now();
     double comm_ms = 0;
     for (auto& b : buckets) {
@@ -217,6 +237,7 @@ struct Reducer::Impl {
       }
       b.work.reset();
     }
+    if (used_work) used_work->wait();
     // Without overlap every allreduce held backward up for its whole run: all of it is exposed.
     stats.comm_wait_ms = overlap ? ms_since(wait_start) : comm_ms;
     stats.comm_ms = comm_ms;
@@ -224,6 +245,8 @@ struct Reducer::Impl {
       if (b.wire.defined()) b.flat.copy_(b.wire);
       for (size_t k = 0; k < b.params.size(); ++k) {
         const size_t i = b.params[k];
+        // No rank used it: .grad stays as it was (with views, a defined .grad already is the slot).
+        if (used_anywhere.defined() && used_anywhere.data_ptr<uint8_t>()[i] == 0) continue;
         at::Tensor view = b.flat.narrow(0, b.offsets[k], params[i].numel()).view(params[i].sizes());
         at::Tensor& grad = params[i].mutable_grad();
         if (opts.gradient_as_bucket_view) {
@@ -237,6 +260,7 @@ struct Reducer::Impl {
       b.pending = b.params.size();
     }
     std::fill(ready.begin(), ready.end(), false);
+    std::fill(used.begin(), used.end(), 0);
     next_launch = 0;
     stats.backward_ms = ms_since(backward_start);
     if (!missing.empty()) {
@@ -257,24 +281,36 @@ Reducer::Reducer(torch::nn::Module& module, Options options) : impl_(std::make_u
   m.pg = options.group != nullptr ? options.group : &dist::default_group();
   m.world = m.pg->size();
   m.overlap = options.overlap == Options::Overlap::kAlways;
+  // Distinct tensors by identity, as PyTorch's DDP dedups parameters: tied weights registered
+  // under two names are one parameter with one .grad, so they are reduced once.
+  std::unordered_map<const c10::TensorImpl*, std::string> first_name;
   for (auto& item : module.named_parameters(/*recurse=*/true)) {
-    if (!item.value().requires_grad()) continue;
     const at::Tensor& p = item.value();
+    auto [it, fresh] = first_name.emplace(p.unsafeGetTensorImpl(), item.key());
+    if (!fresh) {
+      m.described.push_back(item.key() + " = " + it->second);
+      continue;
+    }
     if (!p.device().is_cpu() || !p.is_contiguous() || p.layout() != at::kStrided) {
       throw UsageError(m.me() + ": parameter " + item.key() +
                        " must be a dense, contiguous CPU tensor (chorus collectives run on the CPU)");
     }
+    m.described.push_back(describe_tensor(item.key(), p) + (p.requires_grad() ? "" : " frozen"));
+    m.state.push_back(p);
+    if (!p.requires_grad()) continue;
     m.names.push_back(item.key());
     m.params.push_back(p);
   }
   for (auto& item : module.named_buffers(/*recurse=*/true)) {
+    if (!first_name.emplace(item.value().unsafeGetTensorImpl(), item.key()).second) continue;
     m.buffer_names.push_back(item.key());
     m.buffers.push_back(item.value());
   }
   m.check_agreement();
   {
+    // Every parameter, frozen ones too (a backbone loaded on rank 0 only), and every buffer.
     torch::NoGradGuard no_grad;
-    m.broadcast_from_rank0(m.params);
+    m.broadcast_from_rank0(m.state);
     m.broadcast_from_rank0(m.buffers);
   }
 
@@ -286,6 +322,7 @@ Reducer::Reducer(torch::nn::Module& module, Options options) : impl_(std::make_u
   m.assignment = assign_buckets(info, mb(options.first_bucket_mb), mb(options.bucket_cap_mb));
   m.where.resize(m.params.size());
   m.ready.assign(m.params.size(), false);
+  m.used.assign(m.params.size(), 0);
   for (size_t b = 0; b < m.assignment.size(); ++b) {
     Bucket bucket;
     int64_t total = 0;
@@ -323,12 +360,15 @@ Reducer::Reducer(torch::nn::Module& module, Options options) : impl_(std::make_u
   m.stats.buckets = static_cast<int>(m.buckets.size());
 
   if (options.gradient_as_bucket_view) {
-    // .grad becomes a view into its bucket: backward accumulates straight into the bucket.
+    // A defined .grad becomes a view into its bucket: backward accumulates straight into the
+    // bucket. An undefined one stays undefined until its first gradient (as in PyTorch), so a
+    // parameter that is never used is never seen by the optimizer.
     torch::NoGradGuard no_grad;
     for (size_t i = 0; i < m.params.size(); ++i) {
-      at::Tensor alias = m.grad_alias(i);
       at::Tensor& grad = m.params[i].mutable_grad();
-      if (grad.defined()) alias.copy_(grad);
+      if (!grad.defined()) continue;
+      at::Tensor alias = m.grad_alias(i);
+      alias.copy_(grad);
       grad = alias;
     }
   }

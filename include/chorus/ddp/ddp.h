@@ -9,8 +9,9 @@
 //
 // Contract:
 // - Construction is collective: every rank wraps a model with the same parameters (count, names,
-//   shapes, dtypes; otherwise every rank raises UsageError listing the differing names). Rank 0's
-//   parameters and buffers are then broadcast to all.
+//   shapes, dtypes, which are frozen; otherwise every rank raises UsageError listing the differing
+//   names). Rank 0's parameters (frozen ones too) and buffers are then broadcast to all. A tensor
+//   registered under several names (tied weights) is one parameter, reduced once.
 // - Gradients are grouped into buckets (reverse registration order; a small first bucket, then
 //   bucket_cap_mb). Each parameter's gradient hook marks it ready; a bucket's allreduce starts as
 //   soon as its last gradient is ready, while the rest of backward still runs. When backward()
@@ -18,6 +19,8 @@
 // - Every rank must run backward on the same number of iterations, and (without
 //   find_unused_parameters) every parameter must get a gradient on every iteration; otherwise the
 //   end of backward raises UsageError naming the parameters that got none and the option to set.
+//   With find_unused_parameters, a parameter that no rank used keeps its .grad as it was (an
+//   undefined .grad stays undefined, so optimizers skip it), as in PyTorch.
 // - Threading: one backward at a time per DDP object. Errors from the collectives (timeouts, dead
 //   peers) surface as chorus::Error from backward() or the next forward().
 #pragma once
