@@ -80,6 +80,27 @@ TEST(Spawn, TheRankThatDiedIsBlamedNotThePeersThatReportedIt) {
   }
 }
 
+TEST(Spawn, AnOwnErrorIsBlamedNotTheRelayedErrorsOfLowerRanks) {
+  for (int trial = 0; trial < 3; ++trial) {
+    try {
+      spawn(3, [](int rank, int world) {
+        ProcessGroupOptions o;
+        o.timeout = std::chrono::seconds(5);
+        auto pg = connect_process_group("env://", rank, world, o);
+        pg->barrier()->wait();
+        if (rank == 2) throw std::runtime_error("bad batch at step 7");
+        pg->barrier()->wait();  // ranks 0 and 1 fail with a PeerError: rank 2 is gone
+      });
+      FAIL() << "spawn should have thrown";
+    } catch (const SpawnError& e) {
+      EXPECT_EQ(e.first_failure().rank, 2) << e.what();
+      EXPECT_EQ(e.first_failure().message, "bad batch at step 7") << e.what();
+      EXPECT_NE(std::string(e.what()).find("rank 0 (exit code 1) (failed because another rank did)"),
+                std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(Spawn, JobTimeoutEndsEveryone) {
   SpawnOptions o;
   o.timeout = std::chrono::milliseconds(300);
