@@ -205,12 +205,13 @@ class LaunchTest(unittest.TestCase):
                 self.assertLess(time.monotonic(), deadline, "workers never got ready")
                 time.sleep(0.02)
             self.assertEqual(len(scratch(p.pid)), 1)
-            p.kill()
+            self.assertIn("-ns%d-" % os.stat("/proc/self/ns/pid").st_ino, scratch(p.pid)[0])
         finally:
+            p.kill()
             p.wait(timeout=30)
         self.assertEqual(len(scratch(p.pid)), 1)
         # ... which the next launcher removes, as its pid is dead; a live launcher's stays.
-        live = "/tmp/chorus-run-%d-testlive" % os.getpid()
+        live = "/tmp/chorus-run-%d-ns%d-testlive" % (os.getpid(), os.stat("/proc/self/ns/pid").st_ino)
         os.mkdir(live)
         try:
             r = self.chorus("-n", "1", "/bin/true")

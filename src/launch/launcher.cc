@@ -96,11 +96,18 @@ ErrorRecord read_error_record(const std::string& path) {
   return r;
 }
 
-// Scratch directories are /tmp/chorus-run-<launcher pid>-XXXXXX. A SIGKILLed launcher cannot remove
-// its own, so each launcher removes those of launchers (of this user) that are no longer running.
+// Scratch directories are /tmp/chorus-run-<launcher pid>-ns<pid namespace>-XXXXXX. A SIGKILLed
+// launcher cannot remove its own, so each launcher removes those of launchers (of this user, in
+// its pid namespace, where their pids mean what they say) that are no longer running.
 constexpr const char* kScratchPrefix = "chorus-run-";
 
+std::string pid_namespace_tag() {
+  struct stat st {};
+  return "ns" + std::to_string(::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<unsigned long long>(st.st_ino) : 0ull);
+}
+
 void sweep_stale_scratch_dirs() {
+  const std::string ns = "-" + pid_namespace_tag() + "-";
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator("/tmp", ec)) {
     const std::string name = entry.path().filename().string();
@@ -108,7 +115,7 @@ void sweep_stale_scratch_dirs() {
     const std::string rest = name.substr(std::strlen(kScratchPrefix));
     char* end = nullptr;
     const long pid = std::strtol(rest.c_str(), &end, 10);
-    if (pid <= 0 || end == rest.c_str() || *end != '-') continue;  // not ours, or an old-style name
+    if (pid <= 0 || end == rest.c_str() || std::string(end).rfind(ns, 0) != 0) continue;  // not one of ours
     struct stat st {};
     if (::lstat(entry.path().c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::getuid()) continue;
     if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // its launcher still runs
@@ -243,7 +250,8 @@ class Agent {
       if (ec) throw UsageError("chorus run: cannot create --log-dir " + o_.log_dir + ": " + ec.message());
     }
     sweep_stale_scratch_dirs();
-    std::string tmpl = std::string("/tmp/") + kScratchPrefix + std::to_string(::getpid()) + "-XXXXXX";
+    std::string tmpl =
+        std::string("/tmp/") + kScratchPrefix + std::to_string(::getpid()) + "-" + pid_namespace_tag() + "-XXXXXX";
     if (::mkdtemp(tmpl.data()) == nullptr) {
       throw Error("chorus run: cannot create a scratch directory " + tmpl + ": " + std::strerror(errno));
     }
