@@ -129,7 +129,7 @@ struct Worker {
   int rank = 0;
   pid_t pid = -1;
   int pidfd = -1;
-  int out_fd = -1;  // read end of the output pipe with --tee
+  int out_fd = -1;  // read end of the output pipe (--tee, or rank 0 with --log-dir)
   std::string partial;
   std::unique_ptr<std::ofstream> log;  // output read through out_fd also goes here (with --log-dir)
   bool prefix = false;                 // output lines get "[rank N] " (with --tee)
