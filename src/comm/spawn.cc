@@ -43,6 +43,7 @@ struct Child {
   std::string message;  // as sent: a kind byte (kOwnError or kRelayedError), then the text
   bool exited = false;
   int status = 0;
+  bool ended = false;  // spawn signalled it to end
 
   bool relayed() const { return !message.empty() && message[0] == kRelayedError; }
   std::string text() const { return message.empty() ? "" : message.substr(1); }
@@ -151,7 +152,10 @@ void spawn(int nprocs, const std::function<void(int rank, int world_size)>& fn,
   std::vector<Child> children(static_cast<size_t>(nprocs));
   auto kill_all = [&](int sig) {
     for (auto& c : children) {
-      if (c.pid > 0 && !c.exited) ::kill(c.pid, sig);
+      if (c.pid > 0 && !c.exited) {
+        ::kill(c.pid, sig);
+        c.ended = true;
+      }
     }
   };
   for (int r = 0; r < nprocs; ++r) {
@@ -281,21 +285,20 @@ void spawn(int nprocs, const std::function<void(int rank, int world_size)>& fn,
       out << "exit code " << first.exit_code;
     }
     if (!c.message.empty()) out << ": " << c.text();
-    out << "; the other " << (nprocs - 1) << " process(es) were ended";
   }
-  // Every other rank that failed, with how, and its message: they often explain the cascade.
+  // How every other rank ended, with its message: they often explain the cascade. A rank that
+  // finished is said to have, never to have been ended or to have failed.
   for (const auto& c : children) {
     if (c.rank == first.rank) continue;
-    const bool ok = WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0;
-    if (ok && c.message.empty()) continue;
-    out << "\n  rank " << c.rank << " (";
+    out << "\n  rank " << c.rank << ": ";
     if (WIFSIGNALED(c.status)) {
-      out << signal_name(WTERMSIG(c.status));
+      out << "killed by " << signal_name(WTERMSIG(c.status)) << (c.ended ? " (ended by spawn)" : "");
+    } else if (WEXITSTATUS(c.status) == 0) {
+      out << "finished normally (exit code 0)";
     } else {
       out << "exit code " << WEXITSTATUS(c.status);
     }
-    out << ")";
-    if (c.relayed()) out << " (failed because another rank did)";
+    if (c.relayed()) out << ", failed because another rank did";
     if (!c.message.empty()) out << ": " << c.text();
   }
   throw SpawnError(out.str(), first);

@@ -42,6 +42,8 @@ TEST(Spawn, FailingRankIsReportedAndTheOthersAreEnded) {
     EXPECT_EQ(e.first_failure().exit_code, 1);
     EXPECT_NE(std::string(e.what()).find("rank 2"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("bad batch at step 7"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("rank 0: killed by SIGTERM (ended by spawn)"), std::string::npos)
+        << e.what();
   }
   EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 10.0);
 }
@@ -95,9 +97,24 @@ TEST(Spawn, AnOwnErrorIsBlamedNotTheRelayedErrorsOfLowerRanks) {
     } catch (const SpawnError& e) {
       EXPECT_EQ(e.first_failure().rank, 2) << e.what();
       EXPECT_EQ(e.first_failure().message, "bad batch at step 7") << e.what();
-      EXPECT_NE(std::string(e.what()).find("rank 0 (exit code 1) (failed because another rank did)"),
+      EXPECT_NE(std::string(e.what()).find("rank 0: exit code 1, failed because another rank did"),
                 std::string::npos) << e.what();
     }
+  }
+}
+
+TEST(Spawn, ARankThatFinishedIsSaidToHaveFinished) {
+  try {
+    spawn(2, [](int rank, int) {
+      if (rank == 0) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      throw std::runtime_error("late failure");
+    });
+    FAIL() << "spawn should have thrown";
+  } catch (const SpawnError& e) {
+    EXPECT_EQ(e.first_failure().rank, 1) << e.what();
+    EXPECT_NE(std::string(e.what()).find("rank 0: finished normally (exit code 0)"), std::string::npos) << e.what();
+    EXPECT_EQ(std::string(e.what()).find("ended"), std::string::npos) << e.what();
   }
 }
 
