@@ -20,8 +20,9 @@ build: deps configure
 	cmake --build $(BUILD_DIR)
 
 # The main job: Fashion-MNIST, 2 ranks started by `chorus run`, one epoch, exact test accuracy at the end.
+# Checkpoints go to runs/fashion_mnist (ignored by git); each `make run` starts afresh (--overwrite).
 run: build
-	$(BUILD_DIR)/bin/chorus run -n 2 $(BUILD_DIR)/bin/fashion_mnist --epochs 1
+	$(BUILD_DIR)/bin/chorus run -n 2 $(BUILD_DIR)/bin/fashion_mnist --epochs 1 --overwrite
 
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure --timeout 300 $(CTEST_FLAGS)

@@ -8,6 +8,7 @@
 // DDP averaging the gradients, evaluates exactly once per item of the test set at the end of every
 // epoch, and checkpoints. Rank 0 prints the progress and writes --metrics-json.
 #include <CLI/CLI.hpp>
+#include <c10/util/Exception.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/sgd.h>
 #include <torch/utils.h>
@@ -18,6 +19,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cinttypes>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -27,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "chorus/comm/error.h"
 #include "chorus/comm/signals.h"
 #include "chorus/comm/spawn.h"
 #include "chorus/data/evaluation.h"
@@ -73,9 +76,10 @@ struct Config {
   int threads = 1;
   uint64_t seed = 1;
   std::string metrics_json;
-  std::string checkpoint_dir = "checkpoints/fashion_mnist";
+  std::string checkpoint_dir = "runs/fashion_mnist";  // relative to the current directory; git ignores runs/
   bool no_checkpoint = false;
   bool resume = false;
+  bool overwrite = false;
   std::string sync = "on";
   std::string compression = "none";
   std::string overlap = "on";
@@ -98,10 +102,23 @@ std::string hms(double s) {
   return buf;
 }
 
+// Whether stdout is a terminal that shows a line rewritten in place ("\r" and an erase-line code).
+// mpirun (Open MPI, by default) and srun --pty give ranks a pseudo-terminal but relay its output
+// line by line into other terminals and log files, where the rewrites arrive as garbage.
+bool rewrites_in_place() {
+  if (::isatty(1) == 0) return false;
+  const char* term = std::getenv("TERM");
+  if (term != nullptr && std::strcmp(term, "dumb") == 0) return false;
+  for (const char* relay : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_STEP_ID", "SLURM_STEPID"}) {
+    if (std::getenv(relay) != nullptr) return false;
+  }
+  return true;
+}
+
 // Rank 0's progress: one line rewritten in place on a terminal, else a line every log_every steps.
 class Progress {
  public:
-  Progress(bool active, int64_t log_every) : active_(active), tty_(::isatty(1) != 0), log_every_(log_every) {}
+  Progress(bool active, int64_t log_every) : active_(active), tty_(rewrites_in_place()), log_every_(log_every) {}
 
   void step(int64_t epoch, int64_t epochs, int64_t step, int64_t planned, double loss, double samples_per_s,
             double step_seconds) {
@@ -223,6 +240,17 @@ void run_rank(const Config& cfg) {
   const int rank = dist::get_rank();
   const int world = dist::get_world_size();
   Progress progress(rank == 0, std::max<int64_t>(1, cfg.log_every));
+  if (!cfg.no_checkpoint) {
+    // Before any training: an unwritable directory, or a checkpoint this run would replace, is an
+    // error now rather than at the first save.
+    auto existing = chorus::train::prepare_checkpoint_dir(cfg.checkpoint_dir);
+    if (existing && !cfg.resume && !cfg.overwrite) {
+      throw chorus::UsageError(cfg.checkpoint_dir + " already holds a checkpoint (epoch " +
+                               std::to_string(existing->epoch) + ", step " + std::to_string(existing->step) +
+                               "); pass --resume to continue from it, --overwrite to start afresh and replace it, or "
+                               "another --checkpoint-dir");
+    }
+  }
 
   const Split train = load_split(cfg.data, true);
   const Split test = load_split(cfg.data, false);
@@ -266,9 +294,29 @@ void run_rank(const Config& cfg) {
   chorus::train::CheckpointOptions co;
   if (cfg.resume && !cfg.no_checkpoint) {
     if (auto st = chorus::train::load_checkpoint(cfg.checkpoint_dir, *model, &optimizer, co)) {
+      auto extra = [&](const char* key, int64_t fallback) {
+        auto it = st->extra.find(key);
+        return it == st->extra.end() ? fallback : std::stoll(it->second);
+      };
       epoch = st->epoch;
       step = st->step;
-      skip = std::stoll(st->extra.count("batch_in_epoch") ? st->extra.at("batch_in_epoch") : "0");
+      skip = extra("batch_in_epoch", 0);
+      const int64_t saved_world = extra("world_size", world);
+      const int64_t saved_batch = extra("batch_size", cfg.batch_size);
+      if (saved_world != world || saved_batch != cfg.batch_size) {
+        // Batch b of an epoch covers the sampler's first (b+1) x batch x world positions of the
+        // epoch's shuffled order, at any world size: resume at the last batch boundary before the
+        // samples already trained on.
+        const int64_t done = skip * saved_batch * saved_world;
+        skip = done / (cfg.batch_size * world);
+        progress.line("note: the checkpoint was written by " + std::to_string(saved_world) + " rank(s) x batch " +
+                      std::to_string(saved_batch) + ", this run has " + std::to_string(world) + " x " +
+                      std::to_string(cfg.batch_size) + ": an epoch is now " + std::to_string(steps_per_epoch) +
+                      " steps per rank, the sampler deals each epoch's order to " + std::to_string(world) +
+                      " rank(s) so every rank's batches differ from the original run's, and this epoch resumes at "
+                      "batch " + std::to_string(skip) + " (" + std::to_string(done - skip * cfg.batch_size * world) +
+                      " sample(s) trained on again)");
+      }
       if (skip >= steps_per_epoch) ++epoch, skip = 0;
       resumed_from = step;
       progress.line("resumed from " + cfg.checkpoint_dir + " at epoch " + std::to_string(epoch + 1) + ", step " +
@@ -280,7 +328,8 @@ void run_rank(const Config& cfg) {
   auto save = [&](int64_t ep, int64_t batch_in_epoch) {
     if (cfg.no_checkpoint) return;
     chorus::train::CheckpointState st{ep, step, {{"batch_in_epoch", std::to_string(batch_in_epoch)},
-                                                {"model", cfg.model}, {"world_size", std::to_string(world)}}};
+                                                {"model", cfg.model}, {"world_size", std::to_string(world)},
+                                                {"batch_size", std::to_string(cfg.batch_size)}}};
     chorus::train::save_checkpoint(cfg.checkpoint_dir, *model, &optimizer, st, co);
   };
 
@@ -441,6 +490,38 @@ void run_rank(const Config& cfg) {
   dist::destroy_process_group();
 }
 
+// A CLI11 check that a number is finite and in [min, max] ("nan" passes CLI11's own Range).
+CLI::Validator finite_in(double min, double max) {
+  return CLI::Validator(
+      [min, max](std::string& text) -> std::string {
+        double v = 0;
+        try {
+          size_t pos = 0;
+          v = std::stod(text, &pos);
+          if (pos != text.size()) return "not a number: " + text;
+        } catch (const std::exception&) {
+          return "not a number: " + text;
+        }
+        if (!std::isfinite(v) || v < min || v > max) {
+          return text + " is not a finite number in [" + CLI::detail::to_string(min) + ", " +
+                 CLI::detail::to_string(max) + "]";
+        }
+        return "";
+      },
+      "FINITE in [" + CLI::detail::to_string(min) + ", " + CLI::detail::to_string(max) + "]");
+}
+
+// A rank's error, on one line: libtorch's own (c10::Error) carry a backtrace of ~20 lines in
+// what(), which says nothing to a user. Recorded for chorus run's report first.
+int report_error(const char* who, const std::exception& e) {
+  const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+  std::string message = c10_error != nullptr ? c10_error->what_without_backtrace() : e.what();
+  while (!message.empty() && message.back() == '\n') message.pop_back();
+  chorus::record_fatal_error(e, message);
+  std::fprintf(stderr, "fashion_mnist: %s: error: %s\n", who, message.c_str());
+  return dynamic_cast<const chorus::UsageError*>(&e) != nullptr ? 2 : 1;
+}
+
 }  // namespace
 }  // namespace fashion_mnist
 
@@ -456,18 +537,24 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--batch-size", cfg.batch_size, "batch size per rank")->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
       ->capture_default_str();
-  app.add_option("--lr", cfg.lr, "SGD learning rate")->capture_default_str();
-  app.add_option("--momentum", cfg.momentum, "SGD momentum")->capture_default_str();
+  app.add_option("--lr", cfg.lr, "SGD learning rate")->check(fashion_mnist::finite_in(0, 1000))->capture_default_str();
+  app.add_option("--momentum", cfg.momentum, "SGD momentum")->check(fashion_mnist::finite_in(0, 1))
+      ->capture_default_str();
   app.add_option("--model", cfg.model, "network")->check(CLI::IsMember({"cnn", "mlp"}))->capture_default_str();
   app.add_option("--threads", cfg.threads, "intra-op threads per rank")->check(CLI::Range(1, 1024))
       ->capture_default_str();
   app.add_option("--seed", cfg.seed, "seed of the weights, the data order and dropout")->capture_default_str();
   app.add_option("--metrics-json", cfg.metrics_json, "write a summary (rank 0) to this file");
-  app.add_option("--checkpoint-dir", cfg.checkpoint_dir, "checkpoint after every epoch into this directory")
+  app.add_option("--checkpoint-dir", cfg.checkpoint_dir,
+                 "checkpoint after every epoch into this directory (checked for writing at the start)")
       ->capture_default_str();
   CLI::Option* no_ckpt = app.add_flag("--no-checkpoint", cfg.no_checkpoint, "write no checkpoints");
-  app.add_flag("--resume", cfg.resume, "continue from the checkpoint in --checkpoint-dir, if there is one")
+  CLI::Option* resume = app.add_flag("--resume", cfg.resume, "continue from the checkpoint in --checkpoint-dir, if there is one")
       ->excludes(no_ckpt);
+  app.add_flag("--overwrite", cfg.overwrite,
+               "start afresh even if --checkpoint-dir holds a checkpoint, replacing it (without --resume or this "
+               "flag, such a run is refused)")
+      ->excludes(no_ckpt)->excludes(resume);
   app.add_option("--sync", cfg.sync,
                  "allreduce the gradients (on); benchmark bounds: off, every rank trains alone; lockstep, every "
                  "rank trains alone but the ranks meet at a barrier after each backward (the cost of "
@@ -478,14 +565,14 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"none", "fp16", "bf16"}))->capture_default_str();
   app.add_flag("--bind-cpu", cfg.bind_cpu,
                "pin each rank to one CPU (the LOCAL_RANK-th it may use) when the host's ranks fit its CPUs");
-  app.add_flag("--gradient-as-bucket-view,!--no-gradient-as-bucket-view", cfg.bucket_view,
-               "gradients live in the DDP buckets (the default; --no-gradient-as-bucket-view: .grad tensors of "
-               "their own, copied in and out)");
+  app.add_flag("--gradient-as-bucket-view", cfg.bucket_view, "gradients live in the DDP buckets (the default)");
+  app.add_flag_callback("--no-gradient-as-bucket-view", [&] { cfg.bucket_view = false; },
+                        "gradients in .grad tensors of their own, copied into the buckets and out");
   app.add_option("--overlap", cfg.overlap,
                  "run bucket allreduces behind backward on the group's thread (on), or in the backward "
                  "thread as each bucket is ready (off)")
       ->check(CLI::IsMember({"on", "off"}))->capture_default_str();
-  app.add_option("--bucket-cap-mb", cfg.bucket_cap_mb, "DDP bucket size")->check(CLI::PositiveNumber)
+  app.add_option("--bucket-cap-mb", cfg.bucket_cap_mb, "DDP bucket size")->check(fashion_mnist::finite_in(1e-6, 1e6))
       ->capture_default_str();
   app.add_option("--checkpoint-every", cfg.checkpoint_every, "also checkpoint every N steps (0: per epoch only)")
       ->check(CLI::NonNegativeNumber);
@@ -496,7 +583,12 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--log-every", cfg.log_every, "progress line every N steps when stdout is not a terminal")
       ->check(CLI::PositiveNumber)->capture_default_str();
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? 0 : 2;  // --help, or a usage error
+  }
 
   if (const char* rank = fashion_mnist::launched_rank()) {  // one rank of a job started by a launcher
     if (cfg.nproc > 0) {
@@ -507,17 +599,21 @@ int main(int argc, char** argv) {
     try {
       fashion_mnist::run_rank(cfg);
     } catch (const std::exception& e) {
-      std::fprintf(stderr, "fashion_mnist: rank %s: error: %s\n", rank, e.what());
-      return 1;
+      return fashion_mnist::report_error(("rank " + std::string(rank)).c_str(), e);
     }
     return 0;
   }
   // Start the ranks here. The parent only waits: it must not touch libtorch before forking.
   try {
-    chorus::spawn(cfg.nproc > 0 ? cfg.nproc : 1, [&](int, int) { fashion_mnist::run_rank(cfg); });
+    chorus::spawn(cfg.nproc > 0 ? cfg.nproc : 1, [&](int, int) {
+      try {
+        fashion_mnist::run_rank(cfg);
+      } catch (const c10::Error& e) {
+        throw std::runtime_error(e.what_without_backtrace());  // spawn reports what(): one line
+      }
+    });
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "fashion_mnist: error: %s\n", e.what());
-    return 1;
+    return fashion_mnist::report_error("job", e);
   }
   return 0;
 }

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -20,78 +21,106 @@ bool exists(const std::string& path) {
   return ::stat(path.c_str(), &st) == 0;
 }
 
-// The whole (decompressed) content of name.gz, or of name when there is no .gz.
-std::vector<uint8_t> read_maybe_gz(const std::string& dir, const std::string& name) {
-  std::string path = dir + "/" + name + ".gz";
-  if (!exists(path) && exists(dir + "/" + name)) path = dir + "/" + name;
-  gzFile f = gzopen(path.c_str(), "rb");  // reads plain files as they are
-  if (f == nullptr) {
-    throw std::runtime_error("cannot open " + path + ": " + std::strerror(errno) +
-                             " (install Debian's dataset-fashion-mnist, or pass --data DIR)");
-  }
-  std::vector<uint8_t> out;
-  uint8_t buf[1 << 16];
-  for (;;) {
-    int n = gzread(f, buf, sizeof(buf));
-    if (n < 0) {
-      int err = 0;
-      std::string msg = gzerror(f, &err);
-      gzclose(f);
-      throw std::runtime_error("cannot read " + path + ": " + msg);
+// Bounds on what a header may claim. Fashion-MNIST has 60000 + 10000 items; a header beyond these
+// is damaged or hostile, and is refused before any of its data is decompressed.
+constexpr uint32_t kMaxItems = 1000000;
+constexpr uint32_t kMaxSide = 28;
+
+class IdxReader {
+ public:
+  IdxReader(const std::string& dir, const std::string& name) {
+    path_ = dir + "/" + name + ".gz";
+    if (!exists(path_) && exists(dir + "/" + name)) path_ = dir + "/" + name;
+    f_ = gzopen(path_.c_str(), "rb");  // reads plain files as they are
+    if (f_ == nullptr) {
+      throw std::runtime_error("cannot open " + path_ + ": " + std::strerror(errno) +
+                               " (install Debian's dataset-fashion-mnist, or pass --data DIR)");
     }
-    if (n == 0) break;
-    out.insert(out.end(), buf, buf + n);
   }
-  gzclose(f);
-  return out;
+  ~IdxReader() { gzclose(f_); }
+  IdxReader(const IdxReader&) = delete;
+  IdxReader& operator=(const IdxReader&) = delete;
+
+  const std::string& path() const { return path_; }
+
+  // Reads up to n bytes into out; returns how many (fewer only at the end of the file).
+  size_t read(uint8_t* out, size_t n) {
+    size_t got = 0;
+    while (got < n) {
+      const unsigned chunk = static_cast<unsigned>(std::min<size_t>(n - got, 1u << 30));
+      const int k = gzread(f_, out + got, chunk);
+      if (k < 0) {
+        int err = 0;
+        throw std::runtime_error("cannot read " + path_ + ": " + gzerror(f_, &err));
+      }
+      if (k == 0) break;
+      got += static_cast<size_t>(k);
+    }
+    return got;
+  }
+
+ private:
+  std::string path_;
+  gzFile f_ = nullptr;
+};
+
+uint32_t be32(const uint8_t* b) {
+  return (uint32_t{b[0]} << 24) | (uint32_t{b[1]} << 16) | (uint32_t{b[2]} << 8) | b[3];
 }
 
-uint32_t be32(const std::vector<uint8_t>& b, size_t off) {
-  return (uint32_t{b[off]} << 24) | (uint32_t{b[off + 1]} << 16) | (uint32_t{b[off + 2]} << 8) | b[off + 3];
-}
-
-// Checks the header of an IDX file of unsigned bytes with `dims` dimensions; returns the sizes.
-std::vector<int64_t> idx_shape(const std::vector<uint8_t>& b, int dims, const std::string& name) {
-  const size_t header = 4 + 4 * static_cast<size_t>(dims);
-  if (b.size() < header || be32(b, 0) != (0x0800u | static_cast<uint32_t>(dims))) {
-    throw std::runtime_error(name + ": not an IDX file of unsigned bytes with " + std::to_string(dims) +
+// Reads an IDX file of unsigned bytes with `dims` dimensions into a uint8 tensor of its shape. The
+// header is checked first (magic, item count, 28x28 items), so a file that claims more than it
+// should, or a gzip bomb, costs no more than the header; the data must be exactly as long as the
+// header says, and reading stops one byte past that.
+at::Tensor read_idx(const std::string& dir, const std::string& name, int dims) {
+  IdxReader in(dir, name);
+  uint8_t header[16];
+  const size_t header_bytes = 4 + 4 * static_cast<size_t>(dims);
+  if (in.read(header, header_bytes) != header_bytes || be32(header) != (0x0800u | static_cast<uint32_t>(dims))) {
+    throw std::runtime_error(in.path() + ": not an IDX file of unsigned bytes with " + std::to_string(dims) +
                              " dimensions");
   }
   std::vector<int64_t> shape;
-  size_t total = 1;
-  for (int i = 0; i < dims; ++i) {
-    shape.push_back(be32(b, 4 + 4 * static_cast<size_t>(i)));
-    total *= static_cast<size_t>(shape.back());
+  for (int i = 0; i < dims; ++i) shape.push_back(be32(header + 4 + 4 * i));
+  if (shape[0] > kMaxItems) {
+    throw std::runtime_error(in.path() + ": the header claims " + std::to_string(shape[0]) + " items, more than " +
+                             std::to_string(kMaxItems) + "; the file is damaged or not Fashion-MNIST");
   }
-  if (b.size() != header + total) {
-    throw std::runtime_error(name + ": " + std::to_string(b.size()) + " bytes, the header says " +
-                             std::to_string(header + total) + " (truncated file?)");
+  for (int i = 1; i < dims; ++i) {
+    if (shape[static_cast<size_t>(i)] != kMaxSide) {
+      throw std::runtime_error(in.path() + ": items of " + std::to_string(shape[1]) + "x" +
+                               std::to_string(shape[2]) + " pixels; Fashion-MNIST's are 28x28");
+    }
   }
-  return shape;
+  at::Tensor out = at::empty(shape, at::kByte);
+  const size_t want = static_cast<size_t>(out.numel());
+  const size_t got = in.read(out.data_ptr<uint8_t>(), want);
+  uint8_t extra = 0;
+  if (got != want || in.read(&extra, 1) != 0) {
+    throw std::runtime_error(in.path() + ": " + (got != want ? "shorter" : "longer") + " than its header says (" +
+                             std::to_string(header_bytes + want) + " bytes); truncated or damaged file?");
+  }
+  return out;
 }
 
 }  // namespace
 
 Split load_split(const std::string& dir, bool train) {
   const std::string prefix = train ? "train" : "t10k";
-  const std::string images_name = prefix + "-images-idx3-ubyte";
   const std::string labels_name = prefix + "-labels-idx1-ubyte";
-  std::vector<uint8_t> images = read_maybe_gz(dir, images_name);
-  std::vector<uint8_t> labels = read_maybe_gz(dir, labels_name);
-  auto ishape = idx_shape(images, 3, images_name);
-  auto lshape = idx_shape(labels, 1, labels_name);
-  if (ishape[0] != lshape[0] || ishape[1] != 28 || ishape[2] != 28) {
-    throw std::runtime_error(dir + ": " + std::to_string(ishape[0]) + " images of " + std::to_string(ishape[1]) +
-                             "x" + std::to_string(ishape[2]) + " but " + std::to_string(lshape[0]) +
-                             " labels; expected 28x28 images, one label each");
-  }
   Split s;
-  s.images = at::empty({ishape[0], 1, 28, 28}, at::kByte);
-  std::memcpy(s.images.data_ptr(), images.data() + 16, static_cast<size_t>(s.images.numel()));
-  s.labels = at::empty({lshape[0]}, at::kByte);
-  std::memcpy(s.labels.data_ptr(), labels.data() + 8, static_cast<size_t>(lshape[0]));
+  s.images = read_idx(dir, prefix + "-images-idx3-ubyte", 3).unsqueeze(1);
+  s.labels = read_idx(dir, labels_name, 1);
+  if (s.images.size(0) != s.labels.size(0)) {
+    throw std::runtime_error(dir + ": " + std::to_string(s.images.size(0)) + " " + prefix + " images but " +
+                             std::to_string(s.labels.size(0)) + " labels; expected one label per image");
+  }
+  if (s.images.size(0) == 0) {
+    throw std::runtime_error(dir + ": the " + std::string(train ? "training" : "test") +
+                             " set has no images; nothing to " + (train ? "train on" : "evaluate"));
+  }
   s.labels = s.labels.to(at::kLong);
-  if (s.size() > 0 && s.labels.max().item<int64_t>() > 9) throw std::runtime_error(labels_name + ": a label > 9");
+  if (s.labels.max().item<int64_t>() > 9) throw std::runtime_error(labels_name + ": a label > 9");
   return s;
 }
 

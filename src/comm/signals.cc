@@ -2,7 +2,10 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <time.h>
 #include <unistd.h>
+
+#include <cxxabi.h>
 
 #include <atomic>
 #include <cstdio>
@@ -12,6 +15,8 @@
 #include <exception>
 #include <string>
 #include <typeinfo>
+
+#include "chorus/comm/error.h"
 
 namespace chorus {
 namespace {
@@ -44,29 +49,51 @@ std::string json_escape(const std::string& s) {
   return out;
 }
 
+std::atomic<bool> g_recorded{false};
+
+// The exception's type as the source spells it ("chorus::PeerError"), not the mangled name.
+std::string type_name(const std::exception& e) {
+  const char* mangled = typeid(e).name();
+  int status = 0;
+  char* plain = abi::__cxa_demangle(mangled, nullptr, nullptr, &status);
+  std::string out = status == 0 && plain != nullptr ? plain : mangled;
+  std::free(plain);
+  return out;
+}
+
+// Writes the record atomically (temporary file, then rename), so the launcher reads all or none.
+void write_record(const std::string& message, const std::string& type, bool relayed) {
+  if (g_error_file.empty() || g_recorded.exchange(true)) return;
+  timespec now {};
+  ::clock_gettime(CLOCK_REALTIME, &now);
+  const std::string tmp = g_error_file + ".tmp";
+  if (FILE* f = std::fopen(tmp.c_str(), "w")) {
+    const char* rank = std::getenv("RANK");
+    std::fprintf(f,
+                 "{\"message\": \"%s\", \"type\": \"%s\", \"relayed\": %s, \"rank\": %s, \"pid\": %d, "
+                 "\"time\": %lld.%06ld}\n",
+                 json_escape(message).c_str(), json_escape(type).c_str(), relayed ? "true" : "false",
+                 rank != nullptr && *rank != '\0' ? rank : "null", static_cast<int>(::getpid()),
+                 static_cast<long long>(now.tv_sec), now.tv_nsec / 1000);
+    std::fclose(f);
+    std::rename(tmp.c_str(), g_error_file.c_str());
+  }
+}
+
 [[noreturn]] void on_terminate() {
-  std::string type = "unknown";
   std::string message = "std::terminate called without an active exception";
   if (std::exception_ptr e = std::current_exception()) {
     try {
       std::rethrow_exception(e);
     } catch (const std::exception& ex) {
-      type = typeid(ex).name();
+      record_fatal_error(ex);
       message = ex.what();
     } catch (...) {
       message = "an exception not derived from std::exception";
+      write_record(message, "unknown", false);
     }
-  }
-  if (!g_error_file.empty()) {
-    std::string tmp = g_error_file + ".tmp";
-    if (FILE* f = std::fopen(tmp.c_str(), "w")) {
-      const char* rank = std::getenv("RANK");
-      std::fprintf(f, "{\"message\": \"%s\", \"type\": \"%s\", \"rank\": %s, \"pid\": %d, \"time\": %lld}\n",
-                   json_escape(message).c_str(), json_escape(type).c_str(), rank ? rank : "null",
-                   static_cast<int>(::getpid()), static_cast<long long>(std::time(nullptr)));
-      std::fclose(f);
-      std::rename(tmp.c_str(), g_error_file.c_str());
-    }
+  } else {
+    write_record(message, "none", false);
   }
   std::fprintf(stderr, "chorus: uncaught exception: %s\n", message.c_str());
   if (g_previous != nullptr && g_previous != on_terminate) g_previous();
@@ -104,6 +131,11 @@ void install_error_file_handler(const char* path) {
   g_error_file = path;
   std::terminate_handler prev = std::set_terminate(on_terminate);
   if (prev != on_terminate) g_previous = prev;
+}
+
+void record_fatal_error(const std::exception& error, const std::string& message) {
+  write_record(message.empty() ? error.what() : message, type_name(error),
+               dynamic_cast<const PeerError*>(&error) != nullptr);
 }
 
 }  // namespace chorus

@@ -30,14 +30,23 @@ std::string signal_name(int sig) {
   return abbrev ? std::string("SIG") + abbrev : "signal " + std::to_string(sig);
 }
 
+// A child's message starts with one of these: its own error, or a PeerError (it failed because
+// another rank did).
+constexpr char kOwnError = 'E';
+constexpr char kRelayedError = 'R';
+
 struct Child {
   int rank = 0;
   pid_t pid = -1;
   int pidfd = -1;
   int msg_fd = -1;  // read end of the child's error pipe
-  std::string message;
+  std::string message;  // as sent: a kind byte (kOwnError or kRelayedError), then the text
   bool exited = false;
   int status = 0;
+  bool ended = false;  // spawn signalled it to end
+
+  bool relayed() const { return !message.empty() && message[0] == kRelayedError; }
+  std::string text() const { return message.empty() ? "" : message.substr(1); }
 };
 
 void drain(Child& c) {
@@ -74,11 +83,14 @@ void drain(Child& c) {
   std::string message;
   try {
     fn(rank, nprocs);
+  } catch (const PeerError& e) {
+    message = kRelayedError + std::string(e.what());
+    code = 1;
   } catch (const std::exception& e) {
-    message = e.what();
+    message = kOwnError + std::string(e.what());
     code = 1;
   } catch (...) {
-    message = "unknown exception (not derived from std::exception)";
+    message = kOwnError + std::string("unknown exception (not derived from std::exception)");
     code = 1;
   }
   if (!message.empty()) {
@@ -94,15 +106,14 @@ void drain(Child& c) {
 }
 
 // The failed child most likely to be the root cause: killed by a signal (spawn has sent none yet),
-// then one whose message is its own error rather than a relayed "failed because rank N failed",
-// then the lowest rank.
+// then one that failed on its own error rather than a relayed PeerError, then the lowest rank.
 int root_cause(const std::vector<Child>& children) {
   int best = -1, best_score = -1;
   for (const auto& c : children) {
     if (!c.exited || (WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0)) continue;
     int score = 1;
     if (WIFSIGNALED(c.status)) score = 3;
-    else if (c.message.find("failed because rank") == std::string::npos) score = 2;
+    else if (!c.relayed()) score = 2;
     if (score > best_score) {
       best = c.rank;
       best_score = score;
@@ -141,7 +152,10 @@ void spawn(int nprocs, const std::function<void(int rank, int world_size)>& fn,
   std::vector<Child> children(static_cast<size_t>(nprocs));
   auto kill_all = [&](int sig) {
     for (auto& c : children) {
-      if (c.pid > 0 && !c.exited) ::kill(c.pid, sig);
+      if (c.pid > 0 && !c.exited) {
+        ::kill(c.pid, sig);
+        c.ended = true;
+      }
     }
   };
   for (int r = 0; r < nprocs; ++r) {
@@ -263,29 +277,29 @@ void spawn(int nprocs, const std::function<void(int rank, int world_size)>& fn,
     } else {
       first.exit_code = WEXITSTATUS(c.status);
     }
-    first.message = c.message;
+    first.message = c.text();
     out << "spawn: rank " << c.rank << " (pid " << c.pid << ") failed first: ";
     if (first.signal != 0) {
       out << "killed by " << signal_name(first.signal);
     } else {
       out << "exit code " << first.exit_code;
     }
-    if (!c.message.empty()) out << ": " << c.message;
-    out << "; the other " << (nprocs - 1) << " process(es) were ended";
+    if (!c.message.empty()) out << ": " << c.text();
   }
-  // Every other rank that failed, with how, and its message: they often explain the cascade.
+  // How every other rank ended, with its message: they often explain the cascade. A rank that
+  // finished is said to have, never to have been ended or to have failed.
   for (const auto& c : children) {
     if (c.rank == first.rank) continue;
-    const bool ok = WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0;
-    if (ok && c.message.empty()) continue;
-    out << "\n  rank " << c.rank << " (";
+    out << "\n  rank " << c.rank << ": ";
     if (WIFSIGNALED(c.status)) {
-      out << signal_name(WTERMSIG(c.status));
+      out << "killed by " << signal_name(WTERMSIG(c.status)) << (c.ended ? " (ended by spawn)" : "");
+    } else if (WEXITSTATUS(c.status) == 0) {
+      out << "finished normally (exit code 0)";
     } else {
       out << "exit code " << WEXITSTATUS(c.status);
     }
-    out << ")";
-    if (!c.message.empty()) out << ": " << c.message;
+    if (c.relayed()) out << ", failed because another rank did";
+    if (!c.message.empty()) out << ": " << c.text();
   }
   throw SpawnError(out.str(), first);
 }

@@ -42,6 +42,8 @@ TEST(Spawn, FailingRankIsReportedAndTheOthersAreEnded) {
     EXPECT_EQ(e.first_failure().exit_code, 1);
     EXPECT_NE(std::string(e.what()).find("rank 2"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("bad batch at step 7"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("rank 0: killed by SIGTERM (ended by spawn)"), std::string::npos)
+        << e.what();
   }
   EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 10.0);
 }
@@ -77,6 +79,42 @@ TEST(Spawn, TheRankThatDiedIsBlamedNotThePeersThatReportedIt) {
       EXPECT_EQ(e.first_failure().rank, 3) << e.what();
       EXPECT_EQ(e.first_failure().signal, SIGKILL) << e.what();
     }
+  }
+}
+
+TEST(Spawn, AnOwnErrorIsBlamedNotTheRelayedErrorsOfLowerRanks) {
+  for (int trial = 0; trial < 3; ++trial) {
+    try {
+      spawn(3, [](int rank, int world) {
+        ProcessGroupOptions o;
+        o.timeout = std::chrono::seconds(5);
+        auto pg = connect_process_group("env://", rank, world, o);
+        pg->barrier()->wait();
+        if (rank == 2) throw std::runtime_error("bad batch at step 7");
+        pg->barrier()->wait();  // ranks 0 and 1 fail with a PeerError: rank 2 is gone
+      });
+      FAIL() << "spawn should have thrown";
+    } catch (const SpawnError& e) {
+      EXPECT_EQ(e.first_failure().rank, 2) << e.what();
+      EXPECT_EQ(e.first_failure().message, "bad batch at step 7") << e.what();
+      EXPECT_NE(std::string(e.what()).find("rank 0: exit code 1, failed because another rank did"),
+                std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(Spawn, ARankThatFinishedIsSaidToHaveFinished) {
+  try {
+    spawn(2, [](int rank, int) {
+      if (rank == 0) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      throw std::runtime_error("late failure");
+    });
+    FAIL() << "spawn should have thrown";
+  } catch (const SpawnError& e) {
+    EXPECT_EQ(e.first_failure().rank, 1) << e.what();
+    EXPECT_NE(std::string(e.what()).find("rank 0: finished normally (exit code 0)"), std::string::npos) << e.what();
+    EXPECT_EQ(std::string(e.what()).find("ended"), std::string::npos) << e.what();
   }
 }
 

@@ -3,6 +3,9 @@
 //   throw MESSAGE    rank 1 throws an uncaught std::runtime_error(MESSAGE); the others wait
 //   exit CODE        rank 1 exits with CODE; the others wait
 //   sigkill          rank 1 kills itself with SIGKILL; the others wait
+//   caught MESSAGE   ranks >= 2 finish normally; rank 1 throws std::runtime_error(MESSAGE) a moment
+//                    later, rank 0 then fails waiting for it (a PeerError); both catch their error
+//                    at the top level, record it (chorus::record_fatal_error) and exit 1
 //   wait-signal DIR  record the first forwarded signal in DIR/rank_<RANK>.signal, then exit 0
 #include <signal.h>
 #include <unistd.h>
@@ -62,6 +65,24 @@ int main(int argc, char** argv) {
       ::raise(SIGKILL);
     }
     wait_forever();
+  }
+  if (mode == "caught") {
+    auto pg = chorus::connect_process_group();
+    auto pair = pg->new_group({0, 1});
+    if (!pair) return 0;
+    try {
+      pair->barrier()->wait();
+      if (rank == 1) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        throw std::runtime_error(arg);
+      }
+      pair->barrier()->wait();  // rank 1 never comes
+      return 0;
+    } catch (const std::exception& e) {
+      chorus::record_fatal_error(e);
+      std::fprintf(stderr, "launch_probe: rank %d: %s\n", rank, e.what());
+      return 1;
+    }
   }
   if (mode == "wait-signal") {
     chorus::watch_signals();

@@ -1,7 +1,10 @@
 #!/usr/bin/python3
 """Tests of `chorus run` with real processes: the worker environment, the root-cause report (a
-worker that throws, one that exits 7, one that is SIGKILLed), restarts with resume, signal
-forwarding, bad options, an unreachable endpoint, and two nodes meeting at one endpoint.
+worker that throws, one that exits 7, one that is SIGKILLed, one that catches its error while a
+lower rank fails after it, the training example's injected failure), restarts with resume, signal
+forwarding, the command line (`--`, torchrun's spellings, help and exit codes, numeric checks),
+--log-dir keeping rank 0 on the terminal, scratch directories of killed launchers, an unreachable
+endpoint, and two nodes meeting at one endpoint.
 
 Every run is bounded by a timeout; every temporary directory is removed."""
 import argparse
@@ -74,6 +77,25 @@ class LaunchTest(unittest.TestCase):
         self.assertIn("message: bad batch at step 7", r.stderr)
         self.assertIn("[rank 1]", r.stdout)
 
+    def test_report_names_the_first_own_error_not_a_relayed_one(self):
+        # Rank 1 fails on its own error; rank 0 then fails because rank 1 is gone; rank 2 has
+        # finished normally. Both failures are caught and recorded, and exit 1.
+        r = self.chorus("-n", "3", ARGS.probe, "caught", "bad batch at step 7")
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn("root cause: rank 1", r.stderr)
+        self.assertIn("message: bad batch at step 7", r.stderr)
+        self.assertIn("rank 0: exit code 1, failed because another rank did", r.stderr)
+        self.assertIn("rank 2: finished normally", r.stderr)
+        self.assertNotIn("rank 2: killed", r.stderr)
+
+    def test_report_names_the_failing_rank_of_the_training_example(self):
+        r = self.chorus("-n", "2", ARGS.fashion_mnist, "--fail-at-step", "2", "--max-steps", "5",
+                        "--no-checkpoint", "--eval-limit", "100", timeout=120)
+        self.assertEqual(r.returncode, 1, r.stderr[-2000:])
+        self.assertIn("root cause: rank 1", r.stderr)
+        self.assertIn("message: injected failure after step 2", r.stderr)
+        self.assertIn("rank 0: exit code 1, failed because another rank did", r.stderr)
+
     def test_report_names_exit_code_and_log(self):
         logs = os.path.join(self.dir, "logs")
         r = self.chorus("-n", "2", "--log-dir", logs, "--grace-period", "1", ARGS.probe, "exit", "7")
@@ -128,8 +150,91 @@ class LaunchTest(unittest.TestCase):
                 with open(os.path.join(d, "rank_%d.signal" % r)) as f:
                     self.assertEqual(int(f.read()), int(sig))
 
+    def test_double_dash_and_torchrun_spellings(self):
+        for i, args in enumerate((["-n", "2", "--"], ["--nproc_per_node", "2", "--standalone"],
+                                  ["--nproc-per-node=2", "--standalone", "--"])):
+            d = os.path.join(self.dir, "run%d" % i)
+            os.mkdir(d)
+            r = self.chorus(*args, ARGS.probe, "env", d)
+            self.assertEqual(r.returncode, 0, (args, r.stderr))
+            self.assertEqual(sorted(os.listdir(d)), ["rank_0.env", "rank_1.env"], args)
+        # A "--" after PROGRAM is the program's own argument.
+        r = self.chorus("-n", "1", "--", "/bin/echo", "a", "--", "-n", "3")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stdout.strip(), "a -- -n 3")
+
+    def test_help_and_exit_codes(self):
+        r = run([ARGS.chorus])
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("Subcommands:", r.stderr)
+        self.assertIn("run", r.stderr)
+        r = run([ARGS.chorus, "frobnicate"])
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("unknown subcommand 'frobnicate'", r.stderr)
+        r = run([ARGS.chorus, "--help"])
+        self.assertEqual(r.returncode, 0)
+        self.assertIn("Subcommands:", r.stdout)
+        r = run([ARGS.chorus, "run", "--help"])
+        self.assertEqual(r.returncode, 0)
+        self.assertIn("[--] PROGRAM [ARGS...]", r.stdout)
+        self.assertIn("--grace-period FLOAT=5", r.stdout)
+        self.assertIn("--nproc_per_node", r.stdout)
+
+    def test_log_dir_keeps_rank_0_on_the_terminal(self):
+        logs = os.path.join(self.dir, "logs")
+        r = self.chorus("-n", "2", "--log-dir", logs, ARGS.probe, "env", self.dir)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("rank 0 of 2: allreduce gave 2", r.stdout)
+        self.assertNotIn("rank 1 of 2", r.stdout)
+        self.assertNotIn("[rank 0]", r.stdout)  # no prefixes without --tee
+        for rank in range(2):
+            with open(os.path.join(logs, "rank_%d.log" % rank)) as f:
+                self.assertIn("rank %d of 2: allreduce gave 2" % rank, f.read())
+
+    def test_scratch_directories_of_killed_launchers_are_removed(self):
+        def scratch(pid):
+            return [n for n in os.listdir("/tmp") if n.startswith("chorus-run-%d-" % pid)]
+        # A launcher killed by SIGKILL leaves its scratch directory (its workers die with it) ...
+        d = os.path.join(self.dir, "sig")
+        os.mkdir(d)
+        p = subprocess.Popen([ARGS.chorus, "run", "-n", "2", ARGS.probe, "wait-signal", d],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 30
+            while not all(os.path.exists(os.path.join(d, "rank_%d.ready" % r)) for r in range(2)):
+                self.assertLess(time.monotonic(), deadline, "workers never got ready")
+                time.sleep(0.02)
+            self.assertEqual(len(scratch(p.pid)), 1)
+            self.assertIn("-ns%d-" % os.stat("/proc/self/ns/pid").st_ino, scratch(p.pid)[0])
+        finally:
+            p.kill()
+            p.wait(timeout=30)
+        self.assertEqual(len(scratch(p.pid)), 1)
+        # ... which the next launcher removes, as its pid is dead; a live launcher's stays.
+        live = "/tmp/chorus-run-%d-ns%d-testlive" % (os.getpid(), os.stat("/proc/self/ns/pid").st_ino)
+        os.mkdir(live)
+        try:
+            r = self.chorus("-n", "1", "/bin/true")
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertEqual(scratch(p.pid), [])
+            self.assertTrue(os.path.isdir(live))
+        finally:
+            os.rmdir(live)
+
     def test_bad_input_gets_a_clear_message_and_nonzero_exit(self):
         cases = [
+            (["--grace-period", "nan", ARGS.probe], "--grace-period must be a number of seconds in [0, 3600]"),
+            (["--grace-period", "inf", ARGS.probe], "--grace-period"),
+            (["--grace-period", "-1", ARGS.probe], "--grace-period"),
+            (["--grace-period", "1e300", ARGS.probe], "--grace-period"),
+            (["--rdzv-timeout", "0", ARGS.probe], "--rdzv-timeout"),
+            (["--rdzv-timeout", "nan", ARGS.probe], "--rdzv-timeout"),
+            (["--master-port", "99999", ARGS.probe], "--master-port 99999 is not a TCP port"),
+            (["--master-port", "0", "--master-addr", "127.0.0.1", ARGS.probe], "not a TCP port"),
+            (["--max-restarts", "-1", ARGS.probe], "--max-restarts"),
+            (["-n", "100000", ARGS.probe], "more than 4096"),
+            (["--nnodes", "0", ARGS.probe], "--nnodes"),
+            (["--standalone", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1", ARGS.probe], "--standalone"),
             (["--no-such-option", ARGS.probe], "unknown option"),
             (["-n", "0", ARGS.probe], "at least 1"),
             (["-n", "two", ARGS.probe], "number or 'auto'"),
@@ -141,7 +246,7 @@ class LaunchTest(unittest.TestCase):
         ]
         for args, needle in cases:
             r = self.chorus(*args)
-            self.assertNotEqual(r.returncode, 0, args)
+            self.assertEqual(r.returncode, 2, (args, r.stderr))  # a usage error, before any worker starts
             self.assertIn(needle, r.stderr + r.stdout, args)
 
     def test_unreachable_endpoint_times_out_naming_it(self):

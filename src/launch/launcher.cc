@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -70,15 +71,56 @@ std::string resolve_program(const std::string& prog) {
   return "";
 }
 
-std::string read_error_message(const std::string& path) {
+// What a worker recorded about the error that ended it (chorus::record_fatal_error).
+struct ErrorRecord {
+  bool present = false;
+  std::string message;
+  bool relayed = false;  // a PeerError: it failed because another rank did
+  double time = 0;       // wall clock, seconds
+};
+
+ErrorRecord read_error_record(const std::string& path) {
+  ErrorRecord r;
   std::ifstream in(path);
-  if (!in) return "";
+  if (!in) return r;
   try {
     nlohmann::json j;
     in >> j;
-    return j.value("message", "");
+    r.message = j.value("message", "");
+    r.relayed = j.value("relayed", false);
+    r.time = j.value("time", 0.0);
+    r.present = true;
   } catch (...) {
-    return "";
+    // A record cut short (the worker was killed while writing it) says nothing reliable.
+  }
+  return r;
+}
+
+// Scratch directories are /tmp/chorus-run-<launcher pid>-ns<pid namespace>-XXXXXX. A SIGKILLed
+// launcher cannot remove its own, so each launcher removes those of launchers (of this user, in
+// its pid namespace, where their pids mean what they say) that are no longer running.
+constexpr const char* kScratchPrefix = "chorus-run-";
+
+std::string pid_namespace_tag() {
+  struct stat st {};
+  return "ns" + std::to_string(::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<unsigned long long>(st.st_ino) : 0ull);
+}
+
+void sweep_stale_scratch_dirs() {
+  const std::string ns = "-" + pid_namespace_tag() + "-";
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator("/tmp", ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(kScratchPrefix, 0) != 0) continue;
+    const std::string rest = name.substr(std::strlen(kScratchPrefix));
+    char* end = nullptr;
+    const long pid = std::strtol(rest.c_str(), &end, 10);
+    if (pid <= 0 || end == rest.c_str() || std::string(end).rfind(ns, 0) != 0) continue;  // not one of ours
+    struct stat st {};
+    if (::lstat(entry.path().c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::getuid()) continue;
+    if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // its launcher still runs
+    std::error_code rec;
+    fs::remove_all(entry.path(), rec);
   }
 }
 
@@ -87,11 +129,13 @@ struct Worker {
   int rank = 0;
   pid_t pid = -1;
   int pidfd = -1;
-  int out_fd = -1;  // read end of the output pipe with --tee
+  int out_fd = -1;  // read end of the output pipe (--tee, or rank 0 with --log-dir)
   std::string partial;
-  std::unique_ptr<std::ofstream> log;  // with --tee and --log-dir
+  std::unique_ptr<std::ofstream> log;  // output read through out_fd also goes here (with --log-dir)
+  bool prefix = false;                 // output lines get "[rank N] " (with --tee)
   bool exited = false;
   int status = 0;
+  Clock::time_point exit_seen;  // when the launcher reaped it
   std::string error_file;
   std::string log_path;
 };
@@ -100,6 +144,21 @@ struct Failure {
   bool happened = false;
   std::string report;  // "rank 3 (local rank 1 on host h, pid 42): exit code 7\n  message: ..."
 };
+
+// Bounds of the numeric options: beyond them a value is a typo, and would overflow the
+// millisecond arithmetic (a grace period of 1e300 s once meant an immediate SIGKILL).
+constexpr int kMaxProcsPerNode = 4096;
+constexpr int kMaxRestarts = 1000000;
+constexpr double kMaxGraceSeconds = 3600;
+constexpr double kMaxRdzvSeconds = 7 * 24 * 3600;
+
+// Throws UsageError unless `value` (seconds) is a finite number in [min, max].
+void check_seconds(const char* option, double value, double min, double max) {
+  if (std::isfinite(value) && value >= min && value <= max) return;
+  std::ostringstream out;
+  out << "chorus run: " << option << " must be a number of seconds in [" << min << ", " << max << "], got " << value;
+  throw UsageError(out.str());
+}
 
 class Agent {
  public:
@@ -159,7 +218,20 @@ class Agent {
       throw UsageError("chorus run: --node-rank " + std::to_string(o_.node_rank) + " is outside [0, " +
                        std::to_string(o_.nnodes) + ")");
     }
-    if (o_.max_restarts < 0) throw UsageError("chorus run: --max-restarts must be >= 0");
+    if (nproc_ > kMaxProcsPerNode) {
+      throw UsageError("chorus run: --nproc-per-node " + std::to_string(nproc_) + " is more than " +
+                       std::to_string(kMaxProcsPerNode) + " workers on one node");
+    }
+    if (o_.max_restarts < 0 || o_.max_restarts > kMaxRestarts) {
+      throw UsageError("chorus run: --max-restarts must be in [0, " + std::to_string(kMaxRestarts) + "], got " +
+                       std::to_string(o_.max_restarts));
+    }
+    check_seconds("--grace-period", o_.grace_period_s, 0, kMaxGraceSeconds);
+    check_seconds("--rdzv-timeout", o_.rdzv_timeout_s, 0.001, kMaxRdzvSeconds);
+    if (o_.master_port != -1 && (o_.master_port < 1 || o_.master_port > 65535)) {
+      throw UsageError("chorus run: --master-port " + std::to_string(o_.master_port) +
+                       " is not a TCP port; give one in [1, 65535]");
+    }
     if (!o_.rdzv_endpoint.empty()) {
       parse_endpoint(o_.rdzv_endpoint, &master_addr_, &master_port_);
     } else if (!o_.master_addr.empty() || o_.master_port >= 0) {
@@ -177,8 +249,12 @@ class Agent {
       fs::create_directories(o_.log_dir, ec);
       if (ec) throw UsageError("chorus run: cannot create --log-dir " + o_.log_dir + ": " + ec.message());
     }
-    char tmpl[] = "/tmp/chorus-run-XXXXXX";
-    if (::mkdtemp(tmpl) == nullptr) throw Error(std::string("chorus run: mkdtemp failed: ") + std::strerror(errno));
+    sweep_stale_scratch_dirs();
+    std::string tmpl =
+        std::string("/tmp/") + kScratchPrefix + std::to_string(::getpid()) + "-" + pid_namespace_tag() + "-XXXXXX";
+    if (::mkdtemp(tmpl.data()) == nullptr) {
+      throw Error("chorus run: cannot create a scratch directory " + tmpl + ": " + std::strerror(errno));
+    }
     scratch_ = tmpl;
   }
 
@@ -285,8 +361,12 @@ class Agent {
     put("CHORUS_ERROR_FILE", w.error_file);
     ::unlink(w.error_file.c_str());
 
+    // Output the launcher reads: every rank's with --tee; rank 0's with --log-dir alone, so the
+    // terminal still shows the job (and its log gets a copy).
+    const bool piped = o_.tee || (w.rank == 0 && !w.log_path.empty());
+    w.prefix = o_.tee;
     int pipefd[2] = {-1, -1};
-    if (o_.tee && ::pipe2(pipefd, O_CLOEXEC) != 0) throw Error(std::string("chorus run: pipe: ") + std::strerror(errno));
+    if (piped && ::pipe2(pipefd, O_CLOEXEC) != 0) throw Error(std::string("chorus run: pipe: ") + std::strerror(errno));
     std::fflush(nullptr);
     pid_t pid = ::fork();
     if (pid < 0) throw Error(std::string("chorus run: fork: ") + std::strerror(errno));
@@ -296,7 +376,7 @@ class Agent {
       sigset_t none;
       sigemptyset(&none);
       ::sigprocmask(SIG_SETMASK, &none, nullptr);
-      if (o_.tee) {
+      if (piped) {
         ::dup2(pipefd[1], 1);
         ::dup2(pipefd[1], 2);
       } else if (!w.log_path.empty()) {
@@ -319,7 +399,7 @@ class Agent {
     w.exited = false;
     w.status = 0;
     w.pidfd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
-    if (o_.tee) {
+    if (piped) {
       ::close(pipefd[1]);
       w.out_fd = pipefd[0];
       ::fcntl(w.out_fd, F_SETFL, ::fcntl(w.out_fd, F_GETFL) | O_NONBLOCK);
@@ -327,7 +407,7 @@ class Agent {
     }
   }
 
-  // Copies a worker's output to ours, a line at a time, prefixed "[rank N] ".
+  // Copies a worker's output to ours, a line at a time (prefixed "[rank N] " with --tee).
   void pump_output(Worker& w, bool flush_partial) {
     if (w.out_fd < 0) return;
     char buf[8192];
@@ -356,43 +436,65 @@ class Agent {
   }
 
   void emit(Worker& w, const std::string& line) {
-    std::string out = "[rank " + std::to_string(w.rank) + "] " + line + "\n";
+    std::string out = (w.prefix ? "[rank " + std::to_string(w.rank) + "] " : std::string()) + line + "\n";
     std::fwrite(out.data(), 1, out.size(), stdout);
     std::fflush(stdout);
     if (w.log) *w.log << line << "\n" << std::flush;
   }
 
-  std::string describe_failure(const Worker& w) {
+  static std::string how_it_ended(const Worker& w) {
+    if (!w.exited) return "still running (stopped by the launcher)";
+    if (WIFSIGNALED(w.status)) return "killed by " + signal_name(WTERMSIG(w.status));
+    if (WEXITSTATUS(w.status) == 0) return "finished normally (exit code 0)";
+    return "exit code " + std::to_string(WEXITSTATUS(w.status));
+  }
+
+  // The root cause, then one line for every other rank of this node that failed or finished.
+  std::string describe_failure(const std::vector<Worker>& ws, const Worker& root) {
     std::ostringstream out;
-    out << "rank " << w.rank << " (local rank " << w.local_rank << " on host " << host_name() << ", pid " << w.pid
-        << "): ";
-    if (WIFSIGNALED(w.status)) {
-      out << "killed by " << signal_name(WTERMSIG(w.status));
-    } else {
-      out << "exit code " << WEXITSTATUS(w.status);
+    out << "rank " << root.rank << " (local rank " << root.local_rank << " on host " << host_name() << ", pid "
+        << root.pid << "): " << how_it_ended(root);
+    const ErrorRecord rec = read_error_record(root.error_file);
+    if (rec.present) {
+      out << "\n  message: " << rec.message;
+      if (rec.relayed) out << "\n  (a relayed error: no rank recorded an error of its own)";
     }
-    std::string msg = read_error_message(w.error_file);
-    if (!msg.empty()) out << "\n  message: " << msg;
-    if (!w.log_path.empty()) out << "\n  log: " << w.log_path;
+    if (!root.log_path.empty()) out << "\n  log: " << root.log_path;
+    for (const auto& w : ws) {
+      if (&w == &root || !w.exited) continue;
+      out << "\n  rank " << w.rank << ": " << how_it_ended(w);
+      const ErrorRecord r = read_error_record(w.error_file);
+      if (!r.present || (WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0)) continue;
+      out << (r.relayed ? ", failed because another rank did: " : ": ") << r.message;
+    }
     return out.str();
   }
 
-  // The failed worker most likely to be the root cause: killed by a signal (none sent by us yet),
-  // then one whose own error is not a relayed "failed because rank N failed", then the lowest rank.
+  // The failed worker most likely to be the root cause, by what it recorded, not by its wording:
+  // one that recorded an error of its own (the earliest), then one killed by a signal without a
+  // record (none sent by us yet: SIGKILL, a crash), then one that exited non-zero without a record
+  // (the first seen), then one whose record is relayed (it failed because another rank did).
+  // A worker that exited 0 is never the cause.
   const Worker& root_cause(const std::vector<Worker>& ws) {
     const Worker* best = nullptr;
     int best_score = -1;
+    double best_time = 0;
     for (const auto& w : ws) {
       if (!w.exited || (WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0)) continue;
-      int score = 1;
-      if (WIFSIGNALED(w.status)) {
-        score = 3;
-      } else if (read_error_message(w.error_file).find("failed because rank") == std::string::npos) {
-        score = 2;
+      const ErrorRecord r = read_error_record(w.error_file);
+      int score;
+      double time;
+      if (r.present) {
+        score = r.relayed ? 1 : 4;
+        time = r.time;
+      } else {
+        score = WIFSIGNALED(w.status) ? 3 : 2;
+        time = std::chrono::duration<double>(w.exit_seen.time_since_epoch()).count();
       }
-      if (score > best_score) {
+      if (score > best_score || (score == best_score && time < best_time)) {
         best = &w;
         best_score = score;
+        best_time = time;
       }
     }
     return *best;
@@ -446,6 +548,7 @@ class Agent {
         if (::waitpid(w.pid, &status, WNOHANG) != w.pid) continue;
         w.exited = true;
         w.status = status;
+        w.exit_seen = Clock::now();
         --alive;
         if (w.pidfd >= 0) {
           ::close(w.pidfd);
@@ -460,7 +563,7 @@ class Agent {
       }
       if (!failure.happened && stop_signal_ == 0 && (Clock::now() >= decide_at || (alive == 0 && decide_at != Clock::time_point::max()))) {
         failure.happened = true;
-        failure.report = describe_failure(root_cause(ws));
+        failure.report = describe_failure(ws, root_cause(ws));
         signal_all(ws, SIGTERM);
         kill_at = Clock::now() + grace();
         if (o_.nnodes > 1) {

@@ -1,48 +1,148 @@
 // The `chorus` command: `chorus run ...` (the launcher) and `chorus bench ...`.
+//
+// Exit codes: 0 on success and for --help/--version, 2 for a usage error (bad option or value),
+// else what the subcommand returns (chorus run: 1 when the job failed, 128+N when stopped by
+// signal N).
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
 #include <exception>
+#include <memory>
+#include <string>
+#include <vector>
 
 #include "bench.h"
 #include "chorus/comm/error.h"
 #include "chorus/config.h"
 #include "chorus/launch/launcher.h"
 
+namespace {
+
+constexpr int kUsageExit = 2;
+
+// `chorus run`'s usage line names the program it starts, which CLI11's default leaves out.
+class RunFormatter : public CLI::Formatter {
+ public:
+  std::string make_usage(const CLI::App* app, std::string name) const override {
+    (void)app;
+    return "Usage: " + name + " [OPTIONS] [--] PROGRAM [ARGS...]\n\n"
+           "PROGRAM runs once per worker with ARGS and torchrun's environment (RANK, LOCAL_RANK,\n"
+           "WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...). Options go before PROGRAM; everything from\n"
+           "PROGRAM (or after --) on belongs to it.\n";
+  }
+};
+
+// Splits `chorus ... run [OPTIONS] -- PROGRAM [ARGS...]` at the "--" (CLI11's prefix command stops
+// at PROGRAM by itself but rejects "--"). Walks run's options, skipping the values of those that
+// take one, so a "--" after PROGRAM stays PROGRAM's. Returns the arguments for CLI11 and, when a
+// "--" ended run's options, the program in *program.
+std::vector<std::string> split_program(const std::vector<std::string>& args, const CLI::App& run,
+                                       std::vector<std::string>* program) {
+  std::vector<std::string> out;
+  size_t i = 0;
+  for (; i < args.size(); ++i) {  // up to and including the subcommand's name
+    out.push_back(args[i]);
+    if (args[i] == run.get_name()) break;
+  }
+  for (++i; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    if (a == "--") {
+      program->assign(args.begin() + static_cast<std::ptrdiff_t>(i) + 1, args.end());
+      return out;
+    }
+    if (a.size() < 2 || a[0] != '-') break;  // PROGRAM: the rest is CLI11's to hand over
+    out.push_back(a);
+    if (a.find('=') != std::string::npos) continue;
+    const bool long_name = a[1] == '-';
+    const std::string name = long_name ? a : a.substr(0, 2);
+    if (!long_name && a.size() > 2) continue;  // "-n2"
+    const CLI::Option* opt = run.get_option_no_throw(name);
+    if (opt != nullptr && opt->get_expected_min() > 0 && i + 1 < args.size()) out.push_back(args[++i]);
+  }
+  out.insert(out.end(), args.begin() + static_cast<std::ptrdiff_t>(std::min(i, args.size())), args.end());
+  return out;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   CLI::App app{"chorus: distributed data-parallel training for libtorch"};
   app.set_version_flag("--version", std::string(CHORUS_VERSION));
   app.require_subcommand(1);
+  app.footer("Run `chorus SUBCOMMAND --help` for a subcommand's options.");
 
   chorus::launch::LaunchOptions launch;
+  bool standalone = false;
   CLI::App* run = app.add_subcommand("run", "start a job's workers on this node (like torchrun)");
   run->prefix_command();  // everything from PROGRAM on belongs to the program
-  run->add_option("-n,--nproc-per-node", launch.nproc_per_node, "workers on this node: a number or 'auto' (one per core)");
-  run->add_option("--nnodes", launch.nnodes, "number of nodes");
-  run->add_option("--node-rank", launch.node_rank, "this node's rank in [0, nnodes)");
-  run->add_option("--rdzv-endpoint", launch.rdzv_endpoint, "HOST:PORT of node 0's rendezvous store");
-  run->add_option("--master-addr", launch.master_addr, "node 0's address (with --master-port)");
-  run->add_option("--master-port", launch.master_port, "node 0's store port");
-  run->add_option("--max-restarts", launch.max_restarts, "restart the whole group this many times after a failure");
-  run->add_option("--log-dir", launch.log_dir, "write one log per rank here (rank_N.log)");
-  run->add_flag("--tee", launch.tee, "prefix every output line with [rank N] (and log it with --log-dir)");
-  run->add_option("--grace-period", launch.grace_period_s, "seconds between SIGTERM and SIGKILL when stopping workers");
-  run->add_option("--rdzv-timeout", launch.rdzv_timeout_s, "seconds to wait for the store and the other nodes");
+  run->formatter(std::make_shared<RunFormatter>());
+  run->add_option("-n,--nproc-per-node,--nproc_per_node", launch.nproc_per_node,
+                  "workers on this node: a number or 'auto' (one per core)")
+      ->capture_default_str();
+  run->add_option("--nnodes", launch.nnodes, "number of nodes")->capture_default_str();
+  run->add_option("--node-rank,--node_rank", launch.node_rank, "this node's rank in [0, nnodes)")->capture_default_str();
+  run->add_option("--rdzv-endpoint,--rdzv_endpoint", launch.rdzv_endpoint,
+                  "HOST:PORT of node 0's rendezvous store (default with one node: a local store on a port the "
+                  "kernel picks)");
+  run->add_option("--master-addr,--master_addr", launch.master_addr, "node 0's address (with --master-port)");
+  run->add_option("--master-port,--master_port", launch.master_port, "node 0's store port, in [1, 65535]");
+  run->add_flag("--standalone", standalone,
+                "one node with a local store on a free port (torchrun's spelling; also the default with one node)");
+  run->add_option("--max-restarts,--max_restarts", launch.max_restarts,
+                  "restart the whole group this many times after a failure")
+      ->capture_default_str();
+  run->add_option("--log-dir,--log_dir", launch.log_dir,
+                  "write one log per rank here (rank_N.log); rank 0's output also stays on the terminal");
+  run->add_flag("--tee", launch.tee, "show every rank's output, each line prefixed [rank N] (and log it with --log-dir)");
+  run->add_option("--grace-period", launch.grace_period_s,
+                  "seconds between SIGTERM and SIGKILL when stopping workers, in [0, 3600]")
+      ->capture_default_str();
+  run->add_option("--rdzv-timeout,--rdzv_timeout", launch.rdzv_timeout_s,
+                  "seconds to wait for the store and the other nodes")
+      ->capture_default_str();
   run->add_option("--token", launch.token, "job token (default: CHORUS_JOB_TOKEN, else a fresh one)");
 
   chorus::tools::BenchArgs bench;
   CLI::App* b = app.add_subcommand("bench", "measure a collective on W local ranks");
   chorus::tools::add_bench_options(*b, bench);
-  CLI11_PARSE(app, argc, argv);
+
+  std::vector<std::string> program;
+  std::vector<std::string> args = split_program(std::vector<std::string>(argv, argv + argc), *run, &program);
+  std::vector<char*> cargs;
+  for (auto& a : args) cargs.push_back(a.data());
+  try {
+    app.parse(static_cast<int>(cargs.size()), cargs.data());
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    if (app.get_subcommands().empty()) {
+      // No subcommand (or an unknown one): say so, then show what exists.
+      const bool unknown = argc > 1 && argv[1][0] != '-';
+      std::fprintf(stderr, "chorus: %s\n\n%s",
+                   unknown ? ("unknown subcommand '" + std::string(argv[1]) + "'").c_str() : e.what(),
+                   app.help().c_str());
+    } else {
+      app.exit(e);
+    }
+    return kUsageExit;
+  }
   try {
     if (run->parsed()) {
-      launch.program = run->remaining();
+      launch.program = program.empty() ? run->remaining() : program;
+      if (standalone && (launch.nnodes != 1 || !launch.rdzv_endpoint.empty() || !launch.master_addr.empty())) {
+        throw chorus::UsageError("chorus run: --standalone is one node with a local store; drop it, or drop "
+                                 "--nnodes/--rdzv-endpoint/--master-addr");
+      }
       return chorus::launch::run(launch);
     }
     if (b->parsed()) return chorus::tools::run_bench(bench);
   } catch (const chorus::UsageError& e) {
     std::fprintf(stderr, "%s\n", e.what());
-    return 2;
+    return kUsageExit;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "chorus: error: %s\n", e.what());
     return 1;

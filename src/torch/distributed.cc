@@ -116,20 +116,34 @@ DataType to_data_type(c10::ScalarType type) {
   throw UsageError(out.str());
 }
 
+std::string transport_for_backend(const std::string& backend) {
+  if (backend == "chorus" || backend == "gloo") return "";
+  if (backend == "tcp" || backend == "shm" || backend == "hybrid") return backend;
+  const std::string exists =
+      "chorus's backends are \"chorus\" (alias \"gloo\": CPU tensors, shared memory within a host and TCP "
+      "between hosts), or one transport forced: \"tcp\", \"shm\" or \"hybrid\"";
+  if (backend == "nccl") {
+    throw UsageError("chorus::dist::init_process_group: backend \"nccl\" is not available: chorus has no GPU "
+                     "collectives and works on CPU tensors; " + exists);
+  }
+  if (backend == "mpi") {
+    throw UsageError("chorus::dist::init_process_group: backend \"mpi\" is not available: chorus does not use MPI "
+                     "(mpirun and srun can still start its ranks; env:// reads their rank variables); " + exists);
+  }
+  throw UsageError("chorus::dist::init_process_group: unknown backend '" + backend + "'; " + exists);
+}
+
 void init_process_group(const std::string& backend, const std::string& init_method, int rank, int world_size,
                         InitOptions options) {
-  if (backend != "chorus" && backend != "tcp" && backend != "shm" && backend != "hybrid") {
-    throw UsageError("chorus::dist::init_process_group: unknown backend '" + backend +
-                     "'; use \"chorus\" (picks shared memory or TCP), or force \"tcp\", \"shm\" or \"hybrid\"");
-  }
+  const std::string forced_transport = transport_for_backend(backend);
   std::lock_guard<std::mutex> lock(g_mu);
   if (g_default) {
     throw UsageError("chorus::dist::init_process_group: already initialised; call destroy_process_group() first");
   }
   ProcessGroupOptions o = options.group;
   o.timeout = options.timeout;
-  if (backend != "chorus") {
-    o.transport = backend;
+  if (!forced_transport.empty()) {
+    o.transport = forced_transport;
   } else if (const char* forced = std::getenv("CHORUS_TRANSPORT"); forced != nullptr && forced[0] != '\0') {
     o.transport = forced;  // checked by the process group, which lists the valid names
   }

@@ -144,9 +144,33 @@ TEST(TorchDistributedErrors, TensorsChorusCannotTakeGetClearErrors) {
     expect_usage([&] { all_gather(wrong, t); }, "one per rank");
     destroy_process_group();
     expect_usage([&] { all_reduce(t); }, "init_process_group");
-    expect_usage([&] { init_process_group("nccl"); }, "unknown backend");
+    expect_usage([&] { init_process_group("nccl"); }, "no GPU collectives");
+    expect_usage([&] { init_process_group("mpi"); }, "does not use MPI");
+    expect_usage([&] { init_process_group("glo"); }, "unknown backend 'glo'");
+    // torch.distributed's CPU backend name runs on chorus's own transports.
+    init_process_group("gloo");
+    all_reduce(t);
+    destroy_process_group();
   }, std::chrono::seconds(30));
   EXPECT_EQ(err, "");
+}
+
+TEST(TorchDistributedErrors, BackendNamesMapToTransports) {
+  EXPECT_EQ(transport_for_backend("chorus"), "");
+  EXPECT_EQ(transport_for_backend("gloo"), "");
+  EXPECT_EQ(transport_for_backend("tcp"), "tcp");
+  EXPECT_EQ(transport_for_backend("shm"), "shm");
+  EXPECT_EQ(transport_for_backend("hybrid"), "hybrid");
+  for (const char* name : {"nccl", "mpi", "ucc", ""}) {
+    try {
+      transport_for_backend(name);
+      ADD_FAILURE() << "no UsageError for backend '" << name << "'";
+    } catch (const UsageError& e) {
+      // Every refusal names what exists.
+      EXPECT_NE(std::string(e.what()).find("\"gloo\""), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("\"tcp\""), std::string::npos) << e.what();
+    }
+  }
 }
 
 }  // namespace

@@ -352,6 +352,27 @@ Blobs unpack(const std::string& in) {
 
 // ---- save on rank 0 -----------------------------------------------------------------------------
 
+// Removes `names` from dir; a leftover only costs space, so say so and go on.
+void remove_entries(const std::string& dir, const std::vector<std::string>& names) {
+  for (const auto& name : names) {
+    std::error_code rec;
+    fs::remove_all(fs::path(dir) / name, rec);
+    if (rec) std::cerr << "chorus: checkpoint " << dir << ": cannot remove " << name << ": " << rec.message() << "\n";
+  }
+}
+
+// Temporary directories and files left by writers killed mid-save. One job writes to a directory
+// at a time, so any found before this writer starts are leftovers.
+void sweep_temporaries(const std::string& dir) {
+  std::vector<std::string> names;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    std::string name = e.path().filename().string();
+    if (name.compare(0, std::strlen(kTmpPrefix), kTmpPrefix) == 0) names.push_back(name);
+  }
+  remove_entries(dir, names);
+}
+
 void prune(const std::string& dir, const std::string& current, int keep_last) {
   std::vector<std::string> remove;
   auto versions = list_versions(dir);
@@ -359,28 +380,34 @@ void prune(const std::string& dir, const std::string& current, int keep_last) {
   for (size_t i = 0; i + keep < versions.size(); ++i) {
     if (versions[i].second != current) remove.push_back(versions[i].second);
   }
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    std::string name = e.path().filename().string();
-    if (name.compare(0, std::strlen(kTmpPrefix), kTmpPrefix) == 0) remove.push_back(name);
-  }
-  for (const auto& name : remove) {
-    std::error_code rec;
-    fs::remove_all(fs::path(dir) / name, rec);
-    // The new version is saved and current; a leftover only costs space, so say so and go on.
-    if (rec) std::cerr << "chorus: checkpoint " << dir << ": cannot remove " << name << ": " << rec.message() << "\n";
-  }
+  remove_entries(dir, remove);
+  sweep_temporaries(dir);
 }
 
-void write_version(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer* optimizer,
-                   const CheckpointState& state, const std::vector<std::string>& rng_states, int world,
-                   const CheckpointOptions& options) {
+void create_dir(const std::string& dir) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec || !fs::is_directory(dir)) {
     throw CheckpointError("cannot create checkpoint directory " + dir + ": " +
                           (ec ? ec.message() : std::string("not a directory")));
   }
+}
+
+// Creates dir (and parents) and checks that a file can be created in it; throws CheckpointError.
+void make_writable_dir(const std::string& dir) {
+  create_dir(dir);
+  const std::string probe = (fs::path(dir) / (std::string(kTmpPrefix) + "probe-" + random_token().substr(0, 12))).string();
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) throw CheckpointError(sys_error("checkpoint directory is not writable: cannot create", probe));
+  ::close(fd);
+  ::unlink(probe.c_str());
+}
+
+void write_version(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer* optimizer,
+                   const CheckpointState& state, const std::vector<std::string>& rng_states, int world,
+                   const CheckpointOptions& options) {
+  create_dir(dir);
+  sweep_temporaries(dir);
   int64_t seq = 1;
   auto versions = list_versions(dir);
   if (!versions.empty()) seq = versions.back().first + 1;
@@ -508,6 +535,35 @@ void save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::op
   }
 }
 
+std::optional<CheckpointState> prepare_checkpoint_dir(const std::string& dir, const CheckpointOptions& options) {
+  ProcessGroup* group = resolve_group(options);
+  const int rank = group ? group->rank() : 0;
+  // Rank 0's verdict for everyone: "error" or "ok" followed by the message or state.json, or "none".
+  std::string verdict;
+  if (rank == 0) {
+    try {
+      make_writable_dir(dir);
+      sweep_temporaries(dir);
+      std::optional<std::string> current = resolve_version(dir);
+      verdict = current ? "ok" + read_file((fs::path(*current) / kStateFile).string()) : "none";
+    } catch (const std::exception& e) {
+      verdict = std::string("error") + e.what();
+    }
+  }
+  if (group) verdict = dist::broadcast_object(verdict, 0, group);
+  if (verdict.rfind("error", 0) == 0) {
+    throw CheckpointError("checkpoint directory " + dir + ": " + (rank == 0 ? "" : "rank 0 found: ") +
+                          verdict.substr(5));
+  }
+  if (verdict == "none") return std::nullopt;
+  try {
+    return parse_state(verdict.substr(2));
+  } catch (const std::exception& e) {
+    throw CheckpointError("checkpoint directory " + dir + ": its current version's state.json is unreadable: " +
+                          e.what());
+  }
+}
+
 std::optional<CheckpointState> load_checkpoint(const std::string& dir, torch::nn::Module& model,
                                                torch::optim::Optimizer* optimizer, const CheckpointOptions& options) {
   ProcessGroup* group = resolve_group(options);
@@ -517,6 +573,7 @@ std::optional<CheckpointState> load_checkpoint(const std::string& dir, torch::nn
   if (rank == 0) {
     Blobs blobs;
     try {
+      if (fs::is_directory(dir) && !fs::exists(fs::path(dir) / kStateFile)) sweep_temporaries(dir);
       blobs = read_version(dir);
       blobs[kStatus] = blobs.empty() ? "none" : "ok";
     } catch (const std::exception& e) {

@@ -476,13 +476,44 @@ TEST_F(CheckpointTest, WriterKilledAtEveryStepLeavesLastGoodCheckpoint) {
     const int64_t want = stage == "latest" ? 2 : 1;
     EXPECT_EQ(finish(fork_child([&](int) {
       require(load_filled(dir) == want, "loaded the wrong version");
-      save_filled(dir, 3);  // the next save succeeds and clears the leftovers
+      for (const auto& e : fs::directory_iterator(dir)) {  // the load alone clears the leftovers
+        require(e.path().filename().string().rfind(".tmp-", 0) != 0, "leftover after load " + e.path().string());
+      }
+      save_filled(dir, 3);  // the next save succeeds
       require(load_filled(dir) == 3, "the save after the crash did not become current");
       for (const auto& e : fs::directory_iterator(dir)) {
         require(e.path().filename().string().rfind(".tmp-", 0) != 0, "leftover " + e.path().string());
       }
     })), "");
   }
+}
+
+TEST_F(CheckpointTest, PrepareCheckpointDirChecksBeforeTraining) {
+  const std::string fresh = path("a/b/fresh");
+  const std::string used = path("used");
+  const std::string blocked = path("file/sub");
+  std::ofstream(path("file")) << "a regular file, not a directory\n";
+  EXPECT_EQ(in_child([&] {
+    require(!prepare_checkpoint_dir(fresh).has_value(), "a fresh directory reported a checkpoint");
+    require(fs::is_directory(fresh), "the directory was not created");
+    require(fs::is_empty(fresh), "the writability probe was left behind");
+
+    save_filled(used, 7);
+    fs::create_directories(used + "/.tmp-ckpt-000009-leftover");  // a writer killed mid-save
+    std::ofstream(used + "/.tmp-ckpt-000009-leftover/model.pt") << "partial";
+    auto st = prepare_checkpoint_dir(used);
+    require(st.has_value() && st->step == 7, "the existing checkpoint was not reported");
+    require(!fs::exists(used + "/.tmp-ckpt-000009-leftover"), "the leftover was not swept");
+    require(load_filled(used) == 7, "the checkpoint itself was touched");
+
+    try {
+      prepare_checkpoint_dir(blocked);
+    } catch (const CheckpointError& e) {
+      require(std::string(e.what()).find(blocked) != std::string::npos, std::string("no path in: ") + e.what());
+      return;
+    }
+    throw std::runtime_error("no CheckpointError for a directory under a regular file");
+  }), "");
 }
 
 TEST_F(CheckpointTest, WriterKilledAtRandomTimes) {

@@ -12,7 +12,9 @@
 //   }
 #pragma once
 
+#include <exception>
 #include <initializer_list>
+#include <string>
 
 namespace chorus {
 
@@ -26,8 +28,19 @@ int pending_signal();
 void clear_pending_signal();
 
 // Called when chorus_comm is loaded and CHORUS_ERROR_FILE is set (chorus run sets it): an uncaught
-// exception then writes its message to that file as JSON before the process aborts, so the
+// exception is then recorded as by record_fatal_error before the process aborts, so the
 // launcher's report can show it. Also callable by hand with an explicit path.
 void install_error_file_handler(const char* path);
+
+// Records `error` as the one that ends this process, in the error file installed above (nothing
+// when none is): JSON {"message", "type", "relayed", "rank", "pid", "time"}, written atomically.
+// relayed is true for a PeerError: this rank failed because another one did (it died, left or
+// broke the group), so the launcher looks past it for the root cause. time is the wall clock in
+// seconds (microseconds resolution), to order the ranks' failures. `message` replaces
+// error.what() when not empty (e.g. without a backtrace). Only the first call in a process writes.
+// A program that catches its errors at the top level and exits non-zero calls this first:
+//
+//   try { train(); } catch (const std::exception& e) { chorus::record_fatal_error(e); return 1; }
+void record_fatal_error(const std::exception& error, const std::string& message = {});
 
 }  // namespace chorus

@@ -5,8 +5,9 @@
 // (MASTER_ADDR, MASTER_PORT, RANK, LOCAL_RANK, WORLD_SIZE, CHORUS_JOB_TOKEN, CHORUS_STORE_EXTERNAL).
 // A child that returns exits 0; one that throws writes the exception's message back to the parent
 // and exits 1. When any child fails, the others get SIGTERM, then SIGKILL after the grace period,
-// and spawn() throws SpawnError naming the first rank that failed, how (exit code or signal) and
-// its message. Call spawn() from a process with no other threads running user work: fork() copies
+// and spawn() throws SpawnError naming the rank that failed first on an error of its own (a
+// PeerError only relays another rank's failure; a rank killed by a signal comes first), how (exit
+// code or signal) and its message, then the other ranks that failed. Call spawn() from a process with no other threads running user work: fork() copies
 // only the calling thread.
 #pragma once
 

@@ -8,9 +8,12 @@
 //
 // Failure: when a worker exits non-zero or by a signal, the others get SIGTERM, then SIGKILL after
 // the grace period, on every node; the launcher restarts the whole group up to max_restarts times,
-// else exits non-zero with a root-cause report (first failed rank, host, exit code or signal, the
-// worker's error message from its error file). SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 sent
-// to the launcher are forwarded to every worker.
+// else exits non-zero with a root-cause report: the rank that failed first on an error of its own,
+// chosen by the workers' error records (chorus::record_fatal_error: time, and whether the error
+// was relayed from another rank), with its host, exit code or signal and message, then how this
+// node's other workers ended. SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 sent to the launcher
+// are forwarded to every worker. A launcher killed by SIGKILL leaves its scratch directory in
+// /tmp; the next launcher removes it.
 #pragma once
 
 #include <string>
@@ -24,12 +27,12 @@ struct LaunchOptions {
   int node_rank = 0;
   std::string rdzv_endpoint;         // HOST:PORT of node 0's store (required with nnodes > 1)
   std::string master_addr;           // alternative to rdzv_endpoint: address ...
-  int master_port = -1;              // ... and port
+  int master_port = -1;              // ... and port, in [1, 65535] (-1: none)
   int max_restarts = 0;
-  std::string log_dir;               // one log per rank: <log_dir>/rank_<N>.log
-  bool tee = false;                  // prefix each output line with "[rank N] " (and log it)
-  double grace_period_s = 5.0;       // SIGTERM to SIGKILL
-  double rdzv_timeout_s = 60.0;      // waiting for the store and for the other nodes
+  std::string log_dir;               // one log per rank: <log_dir>/rank_<N>.log; rank 0 stays on the terminal too
+  bool tee = false;                  // every rank's output, each line prefixed "[rank N] " (and logged)
+  double grace_period_s = 5.0;       // SIGTERM to SIGKILL, finite, in [0, 3600]
+  double rdzv_timeout_s = 60.0;      // waiting for the store and for the other nodes, finite, > 0
   std::string token;                 // job token; default CHORUS_JOB_TOKEN, else fresh (one node)
   std::vector<std::string> program;  // the program and its arguments
 };

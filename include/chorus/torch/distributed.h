@@ -31,11 +31,16 @@ struct InitOptions {
 };
 
 // backend: "chorus" (the transport options.group.transport names, "auto" by default: shared memory
-// within a host, TCP between hosts; CHORUS_TRANSPORT in the environment overrides it), or one
-// transport forced: "tcp", "shm" or "hybrid". init_method: env://, tcp://, file:// (see
-// chorus/comm/rendezvous.h). rank / world_size < 0 come from the URL or the environment.
+// within a host, TCP between hosts; CHORUS_TRANSPORT in the environment overrides it), "gloo" (an
+// alias of "chorus", so code written for torch.distributed's CPU backend runs unchanged), or one
+// transport forced: "tcp", "shm" or "hybrid". "nccl" and "mpi" do not exist here (UsageError says
+// what does). init_method: env://, tcp://, file:// (see chorus/comm/rendezvous.h). rank /
+// world_size < 0 come from the URL or the environment.
 void init_process_group(const std::string& backend = "chorus", const std::string& init_method = "env://",
                         int rank = -1, int world_size = -1, InitOptions options = {});
+// The transport a backend name forces ("" for "chorus" and "gloo": the group's own choice).
+// Throws UsageError for any other name, saying which names exist. Pure; no communication.
+std::string transport_for_backend(const std::string& backend);
 bool is_initialized();
 // Says goodbye to the peers and drops the default group. Also runs at exit.
 void destroy_process_group();

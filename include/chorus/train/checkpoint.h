@@ -31,7 +31,8 @@
 // - RNG: each rank's default CPU generator state is saved and restored per rank. Loading at another
 //   world size gives rank r the state saved by rank r % saved_world_size.
 // - One job writes to a directory at a time. Older versions beyond keep_last are pruned after a
-//   successful save, as are temporary directories left by killed writers.
+//   successful save. Temporary directories left by killed writers are removed by the next save
+//   (before it writes), the next load and prepare_checkpoint_dir.
 // - Timeouts are the group's operation timeout: the other ranks wait at most that long for rank 0.
 //
 // The on-disk format is described in docs/checkpoint.md.
@@ -93,6 +94,13 @@ void save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::op
 std::optional<CheckpointState> load_checkpoint(const std::string& dir, torch::nn::Module& model,
                                                torch::optim::Optimizer* optimizer,
                                                const CheckpointOptions& options = {});
+
+// Collective. Readies `dir` for this job's saves before training, so problems show at the start
+// rather than at the first save: rank 0 creates it, checks that it can create files there, and
+// removes temporary directories left by killed writers. Returns the current version's state when
+// `dir` already holds a checkpoint (nullopt when not), so a job can refuse to replace one it did
+// not resume from. Throws CheckpointError on every rank, naming the directory and the system error.
+std::optional<CheckpointState> prepare_checkpoint_dir(const std::string& dir, const CheckpointOptions& options = {});
 
 // Local, no communication: whether `dir` holds a checkpoint, and the path of its current version.
 std::optional<std::string> latest_checkpoint(const std::string& dir);
