@@ -23,3 +23,11 @@ function(chorus_add_script_test)
   add_test(NAME ${T_NAME} COMMAND ${T_COMMAND})
   set_tests_properties(${T_NAME} PROPERTIES TIMEOUT ${T_TIMEOUT} LABELS "${T_LABELS}")
 endfunction()
+
+# chorus_export_library(chorus_comm comm): the library is installed and exported as chorus::comm,
+# and the same name works in the build tree (add_subdirectory consumers link chorus::comm too).
+function(chorus_export_library target name)
+  add_library(chorus::${name} ALIAS ${target})
+  set_target_properties(${target} PROPERTIES EXPORT_NAME ${name})
+  set_property(GLOBAL APPEND PROPERTY CHORUS_EXPORTED_LIBRARIES ${target})
+endfunction()

@@ -276,6 +276,73 @@ struct ProcessGroup::Impl final : InlineRunner {
 
 namespace {
 
+// Passes every call to `base` and remembers the keys this rank writes, so that a group's setup
+// keys can be deleted once no rank needs them (release_setup_keys).
+class RecordingStore final : public Store {
+ public:
+  explicit RecordingStore(Store& base) : base_(base) { timeout_ = base.timeout(); }
+  void set(const std::string& key, const std::string& value) override {
+    remember(key);
+    base_.set(key, value);
+  }
+  std::string get(const std::string& key) override { return base_.get(key); }
+  int64_t add(const std::string& key, int64_t delta) override {
+    if (delta != 0) remember(key);
+    return base_.add(key, delta);
+  }
+  std::string compare_set(const std::string& key, const std::string& expected, const std::string& desired) override {
+    remember(key);
+    return base_.compare_set(key, expected, desired);
+  }
+  void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override {
+    base_.wait(keys, timeout);
+  }
+  using Store::wait;
+  bool check(const std::vector<std::string>& keys) override { return base_.check(keys); }
+  bool delete_key(const std::string& key) override { return base_.delete_key(key); }
+  int64_t num_keys() override { return base_.num_keys(); }
+  std::string describe() const override { return base_.describe(); }
+
+  std::vector<std::string> written() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return {keys_.begin(), keys_.end()};
+  }
+
+ private:
+  void remember(const std::string& key) {
+    std::lock_guard<std::mutex> lock(mu_);
+    keys_.insert(key);
+  }
+  Store& base_;
+  mutable std::mutex mu_;
+  std::set<std::string> keys_;
+};
+
+// Deletes the keys that every rank wrote while setting up the group under `prefix`, without
+// waiting for the other ranks. Each rank, once its own setup has read everything it needs,
+// publishes the list of keys it wrote and then counts itself in. The rank whose count completes
+// the group knows that no rank will read a setup key again: it deletes every listed key, the lists
+// and the counter. A slow rank therefore still finds every key it waits for.
+void release_setup_keys(Store& store, const std::string& prefix, int rank, int size,
+                        const std::vector<std::string>& mine) {
+  std::string list;
+  for (const auto& k : mine) list += k + "\n";
+  const std::string lists = prefix + "/written/";
+  const std::string count = prefix + "/released";
+  store.set(lists + std::to_string(rank), list);
+  if (store.add(count, 1) < size) return;
+  for (int r = 0; r < size; ++r) {
+    const std::string key = lists + std::to_string(r);
+    const std::string theirs = store.get(key);
+    size_t begin = 0;
+    for (size_t end; (end = theirs.find('\n', begin)) != std::string::npos; begin = end + 1) {
+      store.delete_key(theirs.substr(begin, end - begin));  // shared counters are listed twice
+    }
+    store.delete_key(key);
+  }
+  store.delete_key(count);
+}
+
 // The transport `options` ask for; "auto" looks at which ranks share a host.
 std::unique_ptr<transport::Transport> make_transport(Store* store, const transport::TcpOptions& to,
                                                      const ProcessGroupOptions& options, int size) {
@@ -380,7 +447,10 @@ ProcessGroup::ProcessGroup(std::shared_ptr<Store> store, int rank, int size, Pro
     to.spin_us = static_cast<unsigned>(size) <= std::thread::hardware_concurrency() ? 20 : 0;
   }
   try {
-    m.transport = make_transport(m.store.get(), to, options, size);
+    RecordingStore recording(*m.store);
+    to.store = &recording;  // the transports read the store during setup only
+    m.transport = make_transport(&recording, to, options, size);
+    if (size > 1) release_setup_keys(*m.store, to.key_prefix, rank, size, recording.written());
   } catch (const std::exception& e) {
     // Name the rank and group on every setup error (store, connect, handshake, accept).
     const std::string what = e.what();

@@ -279,6 +279,7 @@ struct TcpStoreServer::Impl {
   std::atomic<bool> stopping{false};
   std::atomic<int64_t> refused{0};
   std::atomic<int64_t> malformed{0};
+  std::atomic<int64_t> key_bytes{0};  // the bytes of every key and value in `data`
   std::mutex stop_mu;
   std::thread thread;
 
@@ -519,6 +520,22 @@ struct TcpStoreServer::Impl {
     if (c.phase == Phase::kClosing) c.phase = Phase::kDead;
   }
 
+  // Every write and delete of `data` goes through these two, which keep key_bytes.
+  const std::string& put(const std::string& key, std::string value) {
+    auto [it, added] = data.try_emplace(key);
+    key_bytes += static_cast<int64_t>(value.size()) - static_cast<int64_t>(it->second.size()) +
+                 (added ? static_cast<int64_t>(key.size()) : 0);
+    it->second = std::move(value);
+    return it->second;
+  }
+  bool erase(const std::string& key) {
+    auto it = data.find(key);
+    if (it == data.end()) return false;
+    key_bytes -= static_cast<int64_t>(key.size() + it->second.size());
+    data.erase(it);
+    return true;
+  }
+
   bool has_all(const std::vector<std::string>& keys) const {
     for (const auto& k : keys) {
       if (data.count(k) == 0) return false;
@@ -530,7 +547,7 @@ struct TcpStoreServer::Impl {
     Writer w;
     switch (req.cmd) {
       case Command::kSet:
-        data[req.key] = std::move(req.value);
+        put(req.key, std::move(req.value));
         send(c, w.u8(uint8_t(Status::kOk)).bytes());
         notify(req.key);
         return;
@@ -552,7 +569,7 @@ struct TcpStoreServer::Impl {
           send(c, w.u8(uint8_t(Status::kError)).str(error).bytes());
           return;
         }
-        data[req.key] = std::to_string(result);
+        put(req.key, std::to_string(result));
         send(c, w.u8(uint8_t(Status::kOk)).i64(result).bytes());
         notify(req.key);
         return;
@@ -569,9 +586,7 @@ struct TcpStoreServer::Impl {
           send(c, w.u8(uint8_t(Status::kOk)).str(*now).bytes());
           return;
         }
-        std::string& stored = data[req.key];
-        stored = std::move(req.value);
-        send(c, w.u8(uint8_t(Status::kOk)).str(stored).bytes());
+        send(c, w.u8(uint8_t(Status::kOk)).str(put(req.key, std::move(req.value))).bytes());
         notify(req.key);
         return;
       }
@@ -586,7 +601,7 @@ struct TcpStoreServer::Impl {
         send(c, w.u8(uint8_t(Status::kOk)).u8(has_all(req.keys) ? 1 : 0).bytes());
         return;
       case Command::kDelete: {
-        const bool erased = data.erase(req.key) > 0;
+        const bool erased = erase(req.key);
         send(c, w.u8(uint8_t(Status::kOk)).u8(erased ? 1 : 0).bytes());
         return;
       }
@@ -715,6 +730,7 @@ TcpStoreServer::~TcpStoreServer() { stop(); }
 int TcpStoreServer::port() const { return impl_->port; }
 int64_t TcpStoreServer::refused_connections() const { return impl_->refused.load(); }
 int64_t TcpStoreServer::malformed_messages() const { return impl_->malformed.load(); }
+int64_t TcpStoreServer::stored_bytes() const { return impl_->key_bytes.load(); }
 
 void TcpStoreServer::stop() {
   std::lock_guard<std::mutex> lock(impl_->stop_mu);

@@ -87,7 +87,10 @@ class Buffer {
 
 class ProcessGroup {
  public:
-  // Connects to every other rank through `store` (collective: all ranks construct it).
+  // Connects to every other rank through `store` (collective: all ranks construct it). The keys
+  // it writes there (under "chorus/pg/<group_name>/") are deleted once every rank is set up, so
+  // groups come and go without the store growing; a group_name is not reused while a group of
+  // that name is still being set up on the same store.
   ProcessGroup(std::shared_ptr<Store> store, int rank, int size, ProcessGroupOptions options = {});
   ~ProcessGroup();
   ProcessGroup(const ProcessGroup&) = delete;

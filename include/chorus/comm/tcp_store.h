@@ -35,6 +35,8 @@ class TcpStoreServer {
   // Counters for tests and diagnostics.
   int64_t refused_connections() const;
   int64_t malformed_messages() const;
+  // The bytes of every key and value held (what the store's memory grows with).
+  int64_t stored_bytes() const;
   void stop();
 
  private:
