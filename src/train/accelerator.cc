@@ -99,12 +99,21 @@ int64_t Accelerator::dataset_size(torch::optional<size_t> size) const {
 }
 
 void Accelerator::check_not_prepared(const torch::nn::Module& module) const {
+  std::unordered_set<const void*> prepared;
   for (const auto& m : models_) {
     if (m.module == &module) {
       throw UsageError(who() + ": this model (" + module.name() +
                        ") was prepared already; prepare each model once and use the PreparedModel "
                        "prepare_model returned (a second DistributedDataParallel would reduce every gradient twice)");
     }
+    for (const auto& p : m.parameters) prepared.insert(p.unsafeGetTensorImpl());
+  }
+  size_t shared = 0;
+  for (const auto& p : module.parameters()) shared += prepared.count(p.unsafeGetTensorImpl());
+  if (shared > 0) {
+    throw UsageError(who() + ": " + std::to_string(shared) + " of this model's (" + module.name() +
+                     ") parameters belong to a model prepared already (a sub-module of it, or one sharing "
+                     "tensors with it); their gradients would be reduced twice. Prepare only the outer model");
   }
 }
 

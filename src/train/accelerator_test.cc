@@ -342,6 +342,7 @@ TEST(PrepareErrors, DoublePrepareAndForeignOptimizerParameters) {
     Net net, other;
     auto model = accelerator.prepare_model(net);
     expect_usage_error([&] { accelerator.prepare_model(net); }, {"prepared already", "rank "});
+    expect_usage_error([&] { accelerator.prepare_model(net->fc1); }, {"2 of this model's", "Prepare only the outer"});
     torch::optim::SGD wrong(other->parameters(), 0.1);
     expect_usage_error([&] { accelerator.prepare_optimizer(wrong); },
                        {"4 of the optimizer's 4 parameters", "[8, 6]", "prepare_model"});

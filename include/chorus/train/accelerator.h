@@ -30,7 +30,8 @@
 //   thread-safe: one training loop per Accelerator.
 // - prepare_model is collective (it builds a ddp::DistributedDataParallel, which checks and
 //   broadcasts the parameters): every rank prepares the same models in the same order. A model
-//   prepared twice is a UsageError. Prepare the models before their optimizer: prepare_optimizer
+//   prepared twice, or one sharing parameters with a prepared model (e.g. its sub-module), is a
+//   UsageError (its gradients would be reduced twice). Prepare the models before their optimizer: prepare_optimizer
 //   raises UsageError when any of the optimizer's parameters belongs to no prepared model.
 // - Micro-steps: every backward() is one micro-step. It synchronises gradients (allreduce, the k-th
 //   micro-step since the last sync, or the last batch of a prepared loader's pass) or runs under
