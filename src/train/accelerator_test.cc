@@ -356,6 +356,9 @@ TEST(PrepareErrors, DoublePrepareAndForeignOptimizerParameters) {
     expect_usage_error([&] { accelerator.prepare_optimizer(extra); }, {"1 of the optimizer's 5", "[5, 5]"});
     torch::optim::SGD right(net->parameters(), 0.1);
     accelerator.prepare_optimizer(right);  // no error
+    expect_usage_error([&] {
+      accelerator.prepare_data_loader(Items(features(4, 6)).map(Stack<>()), torch::data::DataLoaderOptions(0));
+    }, {"batch_size"});
   }), "");
 }
 

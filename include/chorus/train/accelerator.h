@@ -332,6 +332,7 @@ class Accelerator {
     auto sampler = std::make_shared<data::DistributedSampler>(size, so);
     const int64_t per_rank = sampler->num_samples();
     const auto batch = static_cast<int64_t>(loader_options.batch_size());
+    if (batch < 1) throw UsageError(who() + ": prepare_data_loader needs a batch_size of at least 1");
     const int64_t batches = loader_options.drop_last() ? per_rank / batch : (per_rank + batch - 1) / batch;
     auto loader = torch::data::make_data_loader(std::move(dataset), detail::SharedSampler(sampler),
                                                 std::move(loader_options));
