@@ -1083,10 +1083,23 @@ std::vector<Announcement> exchange_announcements(Store& store, const std::string
   store.set(key_prefix + "/" + std::to_string(rank),
             std::to_string(size) + "\n" + token_hash + "\n" + mine.host + "\n" + mine.extra);
   std::vector<Announcement> all(static_cast<size_t>(size));
-  for (int r = 0; r < size; ++r) {
-    const std::string key = key_prefix + "/" + std::to_string(r);
+  // All keys at once, so that a timeout names every rank that is missing, and only those.
+  std::vector<std::string> keys;
+  for (int r = 0; r < size; ++r) keys.push_back(key_prefix + "/" + std::to_string(r));
+  try {
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    store.wait({key}, std::max(left, std::chrono::milliseconds(1)));
+    store.wait(keys, std::max(left, std::chrono::milliseconds(1)));
+  } catch (const TimeoutError& e) {
+    std::string missing;
+    for (int r = 0; r < size; ++r) {
+      if (!store.check({keys[static_cast<size_t>(r)]})) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+    }
+    throw TimeoutError("chorus: rank " + std::to_string(rank) + ": group setup: rank(s) [" + missing +
+                       "] never announced themselves in the store: they are missing (not started, crashed before "
+                       "creating the group, or creating another group) (" + e.what() + ")");
+  }
+  for (int r = 0; r < size; ++r) {
+    const std::string& key = keys[static_cast<size_t>(r)];
     std::istringstream in(store.get(key));
     std::string their_size, their_token;
     Announcement& a = all[static_cast<size_t>(r)];
