@@ -3,8 +3,9 @@ BUILD_DIR ?= build
 BUILD_TYPE ?= Release
 CMAKE_FLAGS ?=
 CTEST_FLAGS ?=
+STRESS_REPEAT ?= 20
 
-.PHONY: all deps configure build run test bench clean
+.PHONY: all deps configure build run test stress bench clean
 
 all: build
 
@@ -26,6 +27,11 @@ run: build
 
 test: build
 	cd $(BUILD_DIR) && ctest --output-on-failure --timeout 300 $(CTEST_FLAGS)
+
+# Every multi-process test (ctest label `multiproc`, nothing excluded) STRESS_REPEAT times in a
+# row, stopping at the first failure: a race shows up here before it shows up in CI at random.
+stress: build
+	cd $(BUILD_DIR) && ctest --output-on-failure --repeat until-fail:$(STRESS_REPEAT) -L multiproc $(CTEST_FLAGS)
 
 bench: build
 	bench/compare-gloo

@@ -36,8 +36,8 @@ struct ClusterEnv {
   std::string master_addr;
   int master_port = -1;
   // "slurm:JOB.STEP" or "openmpi:JOBID"; "" for "env". The same on every rank of one job, and
-  // different for another job: rendezvous uses it as the default job token, so that a job whose
-  // derived port collides with another's is refused by that job's store instead of joining it.
+  // different for another job: the derived port comes from it. (It is no job token: anyone who
+  // sees the job id can derive it; rendezvous requires a secret instead, docs/launch-env.md.)
   std::string job_key;
   // Where each value came from, for messages: "RANK", "SLURM_PROCID", "the rank argument",
   // "first host of SLURM_STEP_NODELIST", "derived from SLURM_JOB_ID=7.SLURM_STEP_ID=0" ...

@@ -329,7 +329,7 @@ TEST(ClusterEnvTest, MasterAddrAndPortAlwaysOverride) {
     EXPECT_EQ(c.master_port, 29501);
     EXPECT_EQ(c.master_addr_from, "MASTER_ADDR");
     EXPECT_EQ(c.master_port_from, "MASTER_PORT");
-    EXPECT_NE(c.job_key, "");  // still the job's token
+    EXPECT_NE(c.job_key, "");  // still the job's key
   }
   // Each one alone.
   ClusterEnv c = resolve_cluster_env(merged(slurm_step(), {{"MASTER_PORT", "29502"}}));

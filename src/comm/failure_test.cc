@@ -226,6 +226,36 @@ TEST_P(Failure, PeerWithWrongTokenOrWorldSizeIsRefused) {
   EXPECT_NE(sizes[1].text.find("world size"), std::string::npos);
 }
 
+// Over TCP a rank waiting for an absent one must not blame a live rank: every rank serves its
+// listener while it connects, so only the absent rank is missing from anyone's view.
+TEST(TcpSetup, TimeoutNamesTheMissingRankAndNoLiveOne) {
+  const int world = 4, absent = 3;
+  // "tcp" is the mesh setup itself; "auto" first has every rank announce itself in the store.
+  for (const std::string transport : {"tcp", "auto"}) {
+    auto reports = testing::run_ranks_independent(world, [&](int rank, int w) -> std::string {
+      if (rank == absent) return "never started";
+      ProcessGroupOptions o;
+      o.timeout = milliseconds(1500);
+      o.transport = transport;
+      return outcome([&] { connect_process_group("env://", rank, w, o); });
+    });
+    for (const auto& r : reports) {
+      if (r.rank == absent) continue;
+      SCOPED_TRACE(transport + " rank " + std::to_string(r.rank) + ": " + r.text);
+      EXPECT_EQ(r.text.rfind("TimeoutError", 0), 0u);
+      EXPECT_NE(r.text.find("rank(s) [3] never"), std::string::npos);
+      EXPECT_LT(elapsed_of(r.text), 3.0);
+      for (int live = 0; live < world; ++live) {
+        if (live == absent || live == r.rank) continue;
+        const std::string l = std::to_string(live);
+        for (const std::string& blame : {"[" + l + "]", "[" + l + ",", " " + l + "]", "rank " + l + " at "}) {
+          EXPECT_EQ(r.text.find(blame), std::string::npos) << "blames live rank " << live << " (" << blame << ")";
+        }
+      }
+    }
+  }
+}
+
 TEST_P(Failure, TimedWaitHonoursItsTimeoutWhileTheOperationGoesOn) {
   auto reports = testing::run_ranks_independent(2, [&](int rank, int w) -> std::string {
     auto pg = connect_process_group("env://", rank, w, opts(milliseconds(5000), rank, w));

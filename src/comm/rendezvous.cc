@@ -5,12 +5,20 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <charconv>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <sstream>
+
 #include "chorus/comm/error.h"
+#include "chorus/comm/spawn.h"
 #include "chorus/comm/tcp_store.h"
 #include "cluster_env.h"
 
@@ -175,6 +183,35 @@ void split_host_port(const Url& url, const std::string& text, std::string* host,
 
 }  // namespace
 
+std::string read_token_file(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    throw UsageError("job token file '" + path + "': " + std::strerror(errno) +
+                     "; create it with `openssl rand -hex 16 > " + path + " && chmod 600 " + path + "`");
+  }
+  if (!S_ISREG(st.st_mode)) throw UsageError("job token file '" + path + "' is not a regular file");
+  if (st.st_uid != ::geteuid()) {
+    throw UsageError("job token file '" + path + "' belongs to uid " + std::to_string(st.st_uid) +
+                     ", not to this user (uid " + std::to_string(::geteuid()) + "); use a file of your own");
+  }
+  if ((st.st_mode & 077) != 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    throw UsageError("job token file '" + path + "' can be read by others (mode " + mode +
+                     "); a secret must be readable only by you: chmod 600 " + path);
+  }
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  std::string token = text.str();
+  while (!token.empty() && std::isspace(static_cast<unsigned char>(token.back()))) token.pop_back();
+  if (token.empty()) {
+    throw UsageError("job token file '" + path + "' is empty; write a secret into it: openssl rand -hex 16 > " +
+                     path);
+  }
+  return token;
+}
+
 Rendezvous rendezvous(const std::string& text, int rank, int world_size,
                       RendezvousOptions options) {
   const Url url = parse_url(text);
@@ -209,12 +246,27 @@ Rendezvous rendezvous(const std::string& text, int rank, int world_size,
     rv.token = token->second;
   } else if (const char* t = env("CHORUS_JOB_TOKEN")) {
     rv.token = t;
-  } else if (!external_store) {
-    // Under srun or mpirun: the job's key, so that a job whose derived port collides with
-    // another's is refused by that job's store rather than joining it. A store hosted by someone
-    // else has its own token, which CHORUS_JOB_TOKEN gives.
-    rv.token = cluster.job_key;
+  } else if (const char* path = env("CHORUS_JOB_TOKEN_FILE")) {
+    rv.token = read_token_file(path);
+  } else if (rv.world_size == 1 && !external_store && url.scheme != "file") {
+    rv.token = random_token();  // a job of one: nobody else needs to know it
   }
+  // Checked once the URL is known to be well formed, so that its mistakes are reported first.
+  auto require_token = [&] {
+    if (!rv.token.empty() || url.scheme == "file") return;
+    // Anything derived from what every rank can see (the job id, the endpoint) can be derived by a
+    // stranger too, who would then join the job as a rank. Only a launcher that starts every rank
+    // itself can make the secret up; here the user must share one.
+    throw UsageError(
+        "rendezvous '" + text + "' (rank " + std::to_string(rv.rank) + " of " + std::to_string(rv.world_size) +
+        (url.scheme == "env" ? ", " + cluster.source + " environment" : std::string()) +
+        "): no job token. Ranks not started by `chorus run` on one node or chorus::spawn (which hand "
+        "their workers a random one) need a shared secret, or any process that can reach the store "
+        "could join the job: set CHORUS_JOB_TOKEN to the same random value for every rank (e.g. "
+        "`export CHORUS_JOB_TOKEN=$(openssl rand -hex 16)` before srun, and `mpirun -x CHORUS_JOB_TOKEN`), "
+        "or CHORUS_JOB_TOKEN_FILE to a file only you can read, or add &token=... to a tcp:// URL. See "
+        "docs/launch-env.md (\"Job token\").");
+  };
 
   if (url.scheme == "file") {
     if (url.body.empty() || url.body[0] != '/') {
@@ -231,9 +283,12 @@ Rendezvous rendezvous(const std::string& text, int rank, int world_size,
   } else {
     split_host_port(url, url.body, &store.host, &store.port);
   }
+  require_token();
   store.is_server = rv.rank == 0 && !external_store;
   store.token = rv.token;
   store.timeout = options.timeout;
+  store.who = "rank " + std::to_string(rv.rank);
+  store.progress_interval = options.progress_interval;
   std::shared_ptr<TcpStore> tcp;
   try {
     tcp = std::make_shared<TcpStore>(store);

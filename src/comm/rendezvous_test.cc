@@ -3,6 +3,7 @@
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -12,8 +13,10 @@
 #include <map>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "chorus/comm/error.h"
+#include "chorus/comm/spawn.h"
 #include "chorus/comm/tcp_store.h"
 #include "socket.h"
 
@@ -109,8 +112,10 @@ class RendezvousTest : public ::testing::Test {
     }
   }
   static constexpr const char* kVars[] = {
-      "MASTER_ADDR", "MASTER_PORT",      "RANK",
-      "WORLD_SIZE",  "CHORUS_JOB_TOKEN", "CHORUS_STORE_EXTERNAL"};
+      "MASTER_ADDR",          "MASTER_PORT",   "RANK",          "WORLD_SIZE",
+      "CHORUS_JOB_TOKEN",     "CHORUS_STORE_EXTERNAL",          "CHORUS_JOB_TOKEN_FILE",
+      "SLURM_PROCID",         "SLURM_STEP_ID", "SLURM_NTASKS",  "SLURM_JOB_ID",
+      "SLURM_STEP_NODELIST"};
   std::map<std::string, std::string> saved_;
 };
 
@@ -232,10 +237,129 @@ TEST_F(RendezvousTest, UnreachableStoreTimesOut) {
   RendezvousOptions options;
   options.timeout = 300ms;
   const auto start = std::chrono::steady_clock::now();
-  EXPECT_THROW(rendezvous("tcp://127.0.0.1:" + std::to_string(free_port()) + "?rank=1&world_size=2",
+  EXPECT_THROW(rendezvous("tcp://127.0.0.1:" + std::to_string(free_port()) + "?rank=1&world_size=2&token=t",
                           -1, -1, options),
                TimeoutError);
   EXPECT_LT(std::chrono::steady_clock::now() - start, 2s);
+}
+
+// Without a launcher that can make one up, there is no default token: a stranger could derive any
+// default from what the ranks see (the job id, the endpoint) and join the job as a rank.
+TEST_F(RendezvousTest, NoTokenIsAUsageErrorNamingTheFix) {
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+  ::setenv("MASTER_PORT", std::to_string(free_port()).c_str(), 1);
+  ::setenv("WORLD_SIZE", "2", 1);
+  ::setenv("RANK", "1", 1);
+  expect_usage_error("env://", {"no job token", "CHORUS_JOB_TOKEN", "CHORUS_JOB_TOKEN_FILE"});
+  expect_usage_error("tcp://127.0.0.1:" + std::to_string(free_port()) + "?rank=0&world_size=2",
+                     {"no job token", "token="});
+  // Under srun the job id used to be the token; now the user must share a secret there too.
+  for (const char* v : {"MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK"}) ::unsetenv(v);
+  ::setenv("SLURM_PROCID", "0", 1);
+  ::setenv("SLURM_STEP_ID", "0", 1);
+  ::setenv("SLURM_NTASKS", "2", 1);
+  ::setenv("SLURM_JOB_ID", "7", 1);
+  ::setenv("SLURM_STEP_NODELIST", "localhost", 1);
+  expect_usage_error("env://", {"no job token", "slurm", "srun"});
+}
+
+TEST_F(RendezvousTest, TokenFileMustBeReadableOnlyByItsOwner) {
+  const std::string path = temp_path();
+  {
+    std::FILE* f = std::fopen(path.c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::fputs("file-secret\n", f);
+    std::fclose(f);
+  }
+  ::chmod(path.c_str(), 0644);
+  try {
+    read_token_file(path);
+    ADD_FAILURE() << "a token file readable by others was accepted";
+  } catch (const UsageError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("chmod 600 " + path));
+    EXPECT_THAT(e.what(), HasSubstr("0644"));
+  }
+  ::chmod(path.c_str(), 0600);
+  EXPECT_EQ(read_token_file(path), "file-secret");
+  EXPECT_THROW(read_token_file(path + ".missing"), UsageError);
+  // env:// takes it from CHORUS_JOB_TOKEN_FILE.
+  ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+  ::setenv("MASTER_PORT", std::to_string(free_port()).c_str(), 1);
+  ::setenv("WORLD_SIZE", "2", 1);
+  ::setenv("CHORUS_JOB_TOKEN_FILE", path.c_str(), 1);
+  exchange_two_ranks("env://", [](const Rendezvous& rv) {
+    if (rv.token != "file-secret") throw std::runtime_error("token " + rv.token);
+  });
+  std::remove(path.c_str());
+}
+
+// What a stranger could try: no token, the old defaults derived from the endpoint or the job id,
+// and a near miss. The store refuses them all.
+TEST_F(RendezvousTest, GuessedAbsentOrWrongTokensAreRefused) {
+  TcpStoreServerOptions options;
+  options.host = "127.0.0.1";
+  options.token = random_token();
+  options.quiet = true;
+  TcpStoreServer server(options);
+  const std::string base = "tcp://127.0.0.1:" + std::to_string(server.port()) + "?rank=1&world_size=2";
+  const std::vector<std::string> guesses = {
+      "", "chorus-endpoint-127.0.0.1:" + std::to_string(server.port()), "slurm:7.0", "openmpi:1234",
+      options.token.substr(0, options.token.size() - 1), options.token + "x"};
+  for (const auto& guess : guesses) {
+    try {
+      rendezvous(base + "&token=" + guess, -1, -1, quick());
+      ADD_FAILURE() << "the guess '" << guess << "' was accepted";
+    } catch (const HandshakeError& e) {
+      EXPECT_THAT(e.what(), HasSubstr("job token mismatch"));
+    } catch (const UsageError& e) {
+      EXPECT_EQ(guess, "") << e.what();  // no token at all is refused before connecting
+      EXPECT_THAT(e.what(), HasSubstr("no job token"));
+    }
+  }
+  EXPECT_EQ(server.refused_connections(), static_cast<int64_t>(guesses.size()) - 1);
+  Rendezvous rv = rendezvous(base + "&token=" + options.token, -1, -1, quick());
+  rv.store->set("in", "yes");
+  EXPECT_EQ(rv.store->get("in"), "yes");
+}
+
+TEST_F(RendezvousTest, UnresolvableHostFailsAtOnceNamingItAndTheFix) {
+  ::setenv("MASTER_ADDR", "no-such-host.invalid", 1);
+  ::setenv("MASTER_PORT", "29500", 1);
+  ::setenv("WORLD_SIZE", "2", 1);
+  ::setenv("RANK", "1", 1);
+  ::setenv("CHORUS_JOB_TOKEN", "t", 1);
+  RendezvousOptions options;
+  options.timeout = 30s;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    rendezvous("env://", -1, -1, options);
+    ADD_FAILURE() << "an unresolvable MASTER_ADDR was accepted";
+  } catch (const UsageError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("cannot resolve host 'no-such-host.invalid'"));
+    EXPECT_THAT(e.what(), HasSubstr("MASTER_ADDR"));
+    EXPECT_THAT(e.what(), HasSubstr("give an IP address"));
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+}
+
+TEST_F(RendezvousTest, WaitingForAnAbsentStoreSaysSoOnStderr) {
+  const int port = free_port();
+  RendezvousOptions options;
+  options.timeout = 1700ms;
+  options.progress_interval = 500ms;
+  ::testing::internal::CaptureStderr();
+  EXPECT_THROW(rendezvous("tcp://127.0.0.1:" + std::to_string(port) + "?rank=1&world_size=2&token=t", -1, -1,
+                          options),
+               TimeoutError);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  int lines = 0;
+  for (size_t at = 0; (at = err.find("still waiting", at)) != std::string::npos; ++at) ++lines;
+  EXPECT_GE(lines, 2) << err;
+  EXPECT_LE(lines, 4) << err;
+  EXPECT_THAT(err, HasSubstr("chorus: rank 1: still waiting for the TcpStore server at 127.0.0.1:" +
+                             std::to_string(port)));
+  EXPECT_THAT(err, HasSubstr(" so far, giving up after 1.7"));
+  EXPECT_THAT(err, HasSubstr("Connection refused"));
 }
 
 }  // namespace

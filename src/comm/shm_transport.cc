@@ -1083,11 +1083,10 @@ std::vector<Announcement> exchange_announcements(Store& store, const std::string
   store.set(key_prefix + "/" + std::to_string(rank),
             std::to_string(size) + "\n" + token_hash + "\n" + mine.host + "\n" + mine.extra);
   std::vector<Announcement> all(static_cast<size_t>(size));
-  for (int r = 0; r < size; ++r) {
-    const std::string key = key_prefix + "/" + std::to_string(r);
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-    store.wait({key}, std::max(left, std::chrono::milliseconds(1)));
-    std::istringstream in(store.get(key));
+  std::vector<bool> have(static_cast<size_t>(size), false);
+  // Reads and checks rank r's announcement (a disagreement is raised as soon as it is seen).
+  auto take = [&](int r, const std::string& text) {
+    std::istringstream in(text);
     std::string their_size, their_token;
     Announcement& a = all[static_cast<size_t>(r)];
     std::getline(in, their_size);
@@ -1102,6 +1101,36 @@ std::vector<Announcement> exchange_announcements(Store& store, const std::string
     if (their_token != token_hash) {
       throw HandshakeError(who + " has a different job token; it belongs to another job (or CHORUS_JOB_TOKEN "
                            "differs between the ranks)");
+    }
+    have[static_cast<size_t>(r)] = true;
+  };
+  // Every rank's key, watched all at once in short slices: a disagreement shows as soon as its
+  // announcement is there, and a timeout names every rank that is missing, and only those.
+  for (;;) {
+    std::vector<std::string> missing_keys;
+    std::string missing;
+    for (int r = 0; r < size; ++r) {
+      if (have[static_cast<size_t>(r)]) continue;
+      const std::string key = key_prefix + "/" + std::to_string(r);
+      if (store.check({key})) {
+        take(r, store.get(key));
+      } else {
+        missing_keys.push_back(key);
+        missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      }
+    }
+    if (missing_keys.empty()) break;
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    if (left.count() <= 0) {
+      throw TimeoutError("chorus: rank " + std::to_string(rank) + ": group setup: rank(s) [" + missing +
+                         "] never announced themselves in the store under " + key_prefix +
+                         "/: they are missing (not started, crashed before creating the group, or creating "
+                         "another group)");
+    }
+    try {
+      store.wait(missing_keys, std::min(left, std::chrono::milliseconds(50)));
+    } catch (const TimeoutError&) {
+      // The next round rechecks, and reports once the deadline has passed.
     }
   }
   return all;

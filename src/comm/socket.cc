@@ -156,55 +156,88 @@ std::string peer_string(int fd) {
   return sockaddr_string(ss);
 }
 
-Fd connect_tcp(const std::string& host, int port, Deadline deadline, const std::string& what) {
+namespace {
+
+// Resolves host:port into ai. A name that does not exist is a configuration mistake: throws
+// UsageError at once, naming the host and the fix. A temporary resolver failure returns false with
+// *error set, for the caller to retry.
+bool resolve(const std::string& host, int port, const std::string& what, AddrInfo* ai, std::string* error) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  const std::string service = std::to_string(port);
+  const int rc = getaddrinfo(host.c_str(), service.c_str(), &hints, &ai->list);
+  if (rc == 0) return true;
+  if (rc == EAI_AGAIN || (rc == EAI_SYSTEM && (errno == EINTR || errno == EAGAIN))) {
+    *error = "cannot resolve host '" + host + "' right now: " + gai_strerror(rc);
+    return false;
+  }
+  throw UsageError("cannot resolve host '" + host + "' (the address of " + what + "): " +
+                   (rc == EAI_SYSTEM ? std::string(std::strerror(errno)) : std::string(gai_strerror(rc))) +
+                   "; check the host name (MASTER_ADDR, --rdzv-endpoint or the tcp:// URL), or give an IP address");
+}
+
+}  // namespace
+
+Fd start_connect(const std::string& host, int port, const std::string& what, std::string* error) {
+  AddrInfo ai;
+  if (!resolve(host, port, what, &ai, error)) return Fd();
+  for (addrinfo* p = ai.list; p != nullptr; p = p->ai_next) {
+    Fd fd(::socket(p->ai_family, p->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, p->ai_protocol));
+    if (!fd.valid()) {
+      *error = sys_error("socket");
+      continue;
+    }
+    if (::connect(fd.get(), p->ai_addr, p->ai_addrlen) == 0 || errno == EINPROGRESS) return fd;
+    *error = sys_error("connect");
+  }
+  return Fd();
+}
+
+int connect_result(int fd) {
+  int soerr = 0;
+  socklen_t len = sizeof(soerr);
+  if (::getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &len) != 0) return errno;
+  return soerr;
+}
+
+Fd connect_tcp(const std::string& host, int port, Deadline deadline, const std::string& what,
+               const ConnectProgress* progress) {
   const auto start = Clock::now();
   const std::string endpoint = host + ":" + std::to_string(port);
   std::string last = "no attempt made";
   auto backoff = std::chrono::milliseconds(5);
+  // One attempt waits this long at most for an answer to its SYN (a host that drops packets gives
+  // none), so that the progress lines keep coming and a later attempt can succeed.
+  constexpr auto kAttempt = std::chrono::seconds(2);
+  auto next_report = progress != nullptr ? start + progress->interval : Deadline::max();
   for (;;) {
-    addrinfo hints{};
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_NUMERICSERV;
-    AddrInfo ai;
-    std::string service = std::to_string(port);
-    int rc = getaddrinfo(host.c_str(), service.c_str(), &hints, &ai.list);
-    if (rc != 0) {
-      last = std::string("cannot resolve host: ") + gai_strerror(rc);
-    } else {
-      for (addrinfo* p = ai.list; p != nullptr; p = p->ai_next) {
-        Fd fd(::socket(p->ai_family, p->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, p->ai_protocol));
-        if (!fd.valid()) {
-          last = sys_error("socket");
-          continue;
-        }
-        int r = ::connect(fd.get(), p->ai_addr, p->ai_addrlen);
-        if (r != 0 && errno == EINPROGRESS) {
-          pollfd pfd{fd.get(), POLLOUT, 0};
-          int pr = ::poll(&pfd, 1, ms_until(deadline));
-          if (pr == 0) {
-            last = "connect timed out";
-            continue;
-          }
-          int soerr = 0;
-          socklen_t len = sizeof(soerr);
-          ::getsockopt(fd.get(), SOL_SOCKET, SO_ERROR, &soerr, &len);
-          if (soerr != 0) {
-            errno = soerr;
-            last = sys_error("connect");
-            continue;
-          }
-          r = 0;
-        } else if (r != 0) {
-          last = sys_error("connect");
-          continue;
-        }
+    std::string error;
+    Fd fd = start_connect(host, port, what, &error);
+    if (fd.valid()) {
+      pollfd pfd{fd.get(), POLLOUT, 0};
+      int pr = ::poll(&pfd, 1, ms_until(std::min<Deadline>(deadline, Clock::now() + kAttempt)));
+      const int err = pr > 0 ? connect_result(fd.get()) : ETIMEDOUT;
+      if (err == 0) {
         set_nonblocking(fd.get(), false);
         return fd;
       }
+      errno = err;
+      error = err == ETIMEDOUT ? std::string("connect timed out (no answer from the host)") : sys_error("connect");
     }
+    last = error;
     auto now = Clock::now();
     if (now >= deadline) break;
+    if (now >= next_report && progress->report) {
+      progress->report("chorus: " + (progress->who.empty() ? std::string("this process") : progress->who) +
+                       ": still waiting for " + what + " at " + endpoint + ": " + format_duration(now - start) +
+                       " so far, " +
+                       (deadline == Deadline::max() ? std::string("with no deadline")
+                                                    : "giving up after " + format_duration(deadline - start)) +
+                       " (last error: " + last + ")");
+      next_report = now + progress->interval;
+    }
     // Sleep no further than the deadline, so the last attempt happens right at it.
     std::this_thread::sleep_for(std::min<Clock::duration>(backoff, deadline - now));
     backoff = std::min(backoff * 2, std::chrono::milliseconds(250));

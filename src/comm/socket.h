@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 
@@ -62,9 +63,27 @@ int local_port(int fd);
 std::string local_host(int fd);   // numeric address this socket is bound to
 std::string peer_string(int fd);  // "10.0.0.2:51234"
 
+// While connect_tcp waits for a server that is not there yet, report(line) is called every
+// `interval` with one line saying who waits for what, how long so far, the deadline and the last error.
+struct ConnectProgress {
+  std::chrono::milliseconds interval{5000};
+  std::string who;  // "rank 1"
+  std::function<void(const std::string& line)> report;
+};
+
 // Connects to host:port, retrying refused connections (the server may not be up yet) with backoff
-// until `deadline`. Throws TimeoutError or chorus::Error naming the endpoint and the last error.
-Fd connect_tcp(const std::string& host, int port, Deadline deadline, const std::string& what);
+// until `deadline`. A host name that does not resolve fails at once (UsageError naming the host and
+// the fix); a temporary resolver failure is retried. Throws TimeoutError naming the endpoint and the
+// last error when the deadline passes.
+Fd connect_tcp(const std::string& host, int port, Deadline deadline, const std::string& what,
+               const ConnectProgress* progress = nullptr);
+
+// One non-blocking connection attempt for callers that drive many from a poll loop: returns a
+// socket whose connect is in progress or done (watch it for POLLOUT, then connect_result()), or an
+// invalid Fd with *error set. A name that does not resolve throws UsageError as connect_tcp does.
+Fd start_connect(const std::string& host, int port, const std::string& what, std::string* error);
+// 0 when the connection started by start_connect is established, else its errno.
+int connect_result(int fd);
 
 // Accepts one connection before `deadline`; returns an invalid Fd on timeout.
 Fd accept_until(int listen_fd, Deadline deadline);

@@ -13,11 +13,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
-#include <fstream>
 #include <sstream>
 #include <thread>
 
 #include "chorus/comm/tcp_store.h"
+#include "handshake.h"
 #include "socket.h"
 
 namespace chorus {
@@ -125,14 +125,10 @@ int root_cause(const std::vector<Child>& children) {
 }  // namespace
 
 std::string random_token() {
-  unsigned char bytes[16];
-  std::ifstream urandom("/dev/urandom", std::ios::binary);
-  if (!urandom.read(reinterpret_cast<char*>(bytes), sizeof(bytes))) {
-    throw Error("cannot read /dev/urandom to make a job token");
-  }
   static const char* hex = "0123456789abcdef";
   std::string out;
-  for (unsigned char b : bytes) {
+  for (char c : handshake::random_bytes(16)) {
+    const auto b = static_cast<unsigned char>(c);
     out.push_back(hex[b >> 4]);
     out.push_back(hex[b & 15]);
   }

@@ -496,9 +496,7 @@ TcpStoreServerOptions server_options(const std::string& token) {
 net::Fd raw_connection(int port, const std::string& token, bool greet) {
   net::Fd fd = net::connect_tcp("127.0.0.1", port, net::deadline_after(3s), "test server");
   if (greet) {
-    handshake::Hello hello;
-    hello.token = token;
-    handshake::client_handshake(fd.get(), hello, net::deadline_after(3s), "test server");
+    handshake::client_handshake(fd.get(), token, handshake::Hello{}, net::deadline_after(3s), "test server");
   }
   return fd;
 }
@@ -627,10 +625,9 @@ TEST(TcpStoreServer, RefusesAnotherProtocolVersionOrKind) {
   {
     net::Fd fd = raw_connection(server.port(), "t", false);
     handshake::Hello hello;
-    hello.token = "t";
     hello.version = handshake::kProtocolVersion + 1;
     try {
-      handshake::client_handshake(fd.get(), hello, net::deadline_after(3s), "test server");
+      handshake::client_handshake(fd.get(), "t", hello, net::deadline_after(3s), "test server");
       FAIL() << "a newer protocol version was accepted";
     } catch (const HandshakeError& e) {
       EXPECT_THAT(e.what(), HasSubstr("protocol version"));
@@ -639,10 +636,9 @@ TEST(TcpStoreServer, RefusesAnotherProtocolVersionOrKind) {
   {
     net::Fd fd = raw_connection(server.port(), "t", false);
     handshake::Hello hello;
-    hello.token = "t";
     hello.kind = handshake::PeerKind::kTransport;
     try {
-      handshake::client_handshake(fd.get(), hello, net::deadline_after(3s), "test server");
+      handshake::client_handshake(fd.get(), "t", hello, net::deadline_after(3s), "test server");
       FAIL() << "a transport connection was accepted";
     } catch (const HandshakeError& e) {
       EXPECT_THAT(e.what(), HasSubstr("TcpStore"));
@@ -668,7 +664,7 @@ TEST(TcpStoreServer, SurvivesMalformedMessages) {
   }
   {  // A hello cut short.
     net::Fd fd = raw_connection(port, "t", false);
-    send_bytes(fd.get(), handshake::encode_hello(handshake::Hello{}).substr(0, 7));
+    send_bytes(fd.get(), handshake::Client("t", handshake::Hello{}).hello_bytes().substr(0, 7));
     fd.reset();
     expect_dropped("truncated hello");
   }
@@ -686,9 +682,9 @@ TEST(TcpStoreServer, SurvivesMalformedMessages) {
     EXPECT_TRUE(closed_by_server(fd.get()));
     expect_dropped("huge key length");
   }
-  {  // A value length just over the 1 GiB limit.
+  {  // A compare_set whose expected value is over max_value_bytes (a set gets an error reply instead).
     net::Fd fd = raw_connection(port, "t", true);
-    send_bytes(fd.get(), std::string("\x01\x01\x00\x00\x00k\x01\x00\x00\x40", 10));
+    send_bytes(fd.get(), std::string("\x04\x01\x00\x00\x00k\x01\x00\x00\x40", 10));
     EXPECT_TRUE(closed_by_server(fd.get()));
     expect_dropped("huge value length");
   }
@@ -799,6 +795,89 @@ TEST(TcpStore, ServerProcessKilledFailsCallsFast) {
     EXPECT_LT(seconds_since(start), 2.0);
     EXPECT_THAT(e.what(), HasSubstr("127.0.0.1:" + std::to_string(port)));
   }
+}
+
+TEST(TcpStore, ValueOverTheLimitIsAUsageErrorNamingKeySizeAndOption) {
+  auto so = server_options("t");
+  so.max_value_bytes = 1 << 20;
+  TcpStoreServer server(so);
+  // The client's own limit: refused before sending.
+  auto small = client_options(server.port(), "t");
+  small.max_value_bytes = 1 << 20;
+  TcpStore client(small);
+  try {
+    client.set("big/key", std::string((1 << 20) + 1, 'x'));
+    FAIL() << "a value over the client's limit was sent";
+  } catch (const UsageError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("'big/key'"));
+    EXPECT_THAT(e.what(), HasSubstr("1048577 bytes"));
+    EXPECT_THAT(e.what(), HasSubstr("TcpStoreOptions::max_value_bytes = 1048576"));
+  }
+  // A client with a larger limit than the server's: the server answers with an error, reads and
+  // drops the value, and the connection stays in step.
+  auto large = client_options(server.port(), "t");
+  large.max_value_bytes = 8 << 20;
+  TcpStore other(large);
+  try {
+    other.set("big/key", std::string(3 << 20, 'x'));
+    FAIL() << "a value over the server's limit was stored";
+  } catch (const UsageError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("'big/key'"));
+    EXPECT_THAT(e.what(), HasSubstr("3145728 bytes"));
+    EXPECT_THAT(e.what(), HasSubstr("TcpStoreServerOptions::max_value_bytes = 1048576"));
+  }
+  other.set("small", std::string(1 << 20, 'y'));  // exactly the limit
+  EXPECT_EQ(other.get("small").size(), size_t{1} << 20);
+  EXPECT_FALSE(other.check({"big/key"}));
+  EXPECT_EQ(server.malformed_messages(), 0);
+}
+
+// The largest resident set the process `pid` has had, in bytes.
+int64_t peak_rss(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
+  }
+  return -1;
+}
+
+// A large set is received straight into the stored string: the server holds it once, not once in
+// its input buffer and again in the map.
+TEST(TcpStoreServer, LargeSetIsHeldOnceNotTwice) {
+  int pipe_fds[2];
+  ASSERT_EQ(::pipe(pipe_fds), 0);
+  pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::close(pipe_fds[0]);
+    try {
+      TcpStoreServer server(server_options("t"));
+      int port = server.port();
+      if (::write(pipe_fds[1], &port, sizeof(port)) != sizeof(port)) ::_exit(1);
+      for (;;) ::pause();
+    } catch (...) {
+      ::_exit(1);
+    }
+  }
+  ::close(pipe_fds[1]);
+  int port = 0;
+  ASSERT_EQ(::read(pipe_fds[0], &port, sizeof(port)), static_cast<ssize_t>(sizeof(port)));
+  ::close(pipe_fds[0]);
+  {
+    TcpStore store(client_options(port, "t", 30s));
+    store.set("small", "x");
+    const int64_t before = peak_rss(pid);
+    const size_t size = kDefaultMaxValueBytes;  // 256 MiB, the largest value allowed by default
+    store.set("big", std::string(size, 'v'));
+    EXPECT_EQ(store.check({"big"}), true);
+    const int64_t grew = peak_rss(pid) - before;
+    EXPECT_GE(grew, static_cast<int64_t>(size) * 9 / 10);  // it is really stored
+    EXPECT_LT(grew, static_cast<int64_t>(size) * 12 / 10) << "the server's peak grew by " << grew << " bytes for a "
+                                                          << size << "-byte value";
+  }
+  ::kill(pid, SIGKILL);
+  wait_child(pid, 5s);
 }
 
 }  // namespace

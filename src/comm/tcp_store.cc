@@ -27,7 +27,7 @@
 namespace chorus {
 namespace {
 
-using handshake::Parse;
+enum class Parse { kNeedMore, kOk, kBad };
 
 // ---- Wire format -------------------------------------------------------------------------------
 // request: u8 command, then its fields; reply: u8 status, then the command's fields.
@@ -47,19 +47,37 @@ enum class Command : uint8_t {
 enum class Status : uint8_t { kOk = 0, kTimeout = 1, kError = 2 };
 
 constexpr uint32_t kMaxKeyBytes = 64 * 1024;
-constexpr uint32_t kMaxValueBytes = 1u << 30;
 constexpr uint32_t kMaxKeysPerRequest = 64 * 1024;
 constexpr uint64_t kMaxKeyListBytes = 16u << 20;  // all keys of one wait or check together
 constexpr uint32_t kMaxErrorBytes = 64 * 1024;
-// compare_set carries the largest request: a key and two values.
-constexpr uint64_t kMaxRequestBytes = 1 + 3 * 4 + kMaxKeyBytes + 2 * uint64_t{kMaxValueBytes};
+// A reply's value comes from the authenticated server, which bounds what it stores; this only
+// keeps a corrupt length from allocating more than a value can be.
+constexpr uint32_t kMaxReplyValueBytes = UINT32_MAX;
+// A set whose value is at least this large is received straight into the string the store keeps,
+// so the server holds the value once, not twice (input buffer and stored copy).
+constexpr uint32_t kDirectValueBytes = 64 * 1024;
 
 // The server answers a wait by its timeout; the client gives the answer this long to arrive.
 constexpr std::chrono::milliseconds kReplySlack{2000};
-// A connection must complete its hello this soon after connecting.
-constexpr std::chrono::milliseconds kHelloTimeout{30000};
+// A connection must complete its handshake this soon after connecting.
+constexpr std::chrono::milliseconds kHelloTimeout{10000};
+// Connections that have not proved themselves yet (mid-handshake or being refused): past this many,
+// the oldest is dropped, so a flood of idle or garbage connections cannot exhaust descriptors or
+// starve the job's own clients, which finish their handshake in a round trip.
+constexpr size_t kMaxUnprovenClients = 128;
 // How long a refused peer has to take its verdict before the server closes the connection.
 constexpr std::chrono::milliseconds kLingerTimeout{1000};
+
+uint32_t value_limit(size_t max_value_bytes) {
+  return static_cast<uint32_t>(std::min<size_t>(max_value_bytes, UINT32_MAX));
+}
+
+std::string value_too_large(const std::string& who, const std::string& key, uint64_t size, uint64_t limit,
+                            const char* option) {
+  return who + ": the value for key '" + detail::format_key(key) + "' has " + std::to_string(size) +
+         " bytes, more than " + option + " = " + std::to_string(limit) +
+         "; raise that option (on the server and the clients) or keep large data out of the store";
+}
 
 class Writer {
  public:
@@ -87,6 +105,7 @@ class Writer {
     return *this;
   }
   std::string& bytes() { return out_; }
+  std::string take() { return std::move(out_); }
 
  private:
   std::string out_;
@@ -184,21 +203,21 @@ struct Request {
   std::vector<std::string> keys;
 };
 
-bool read_request(Reader& r, Request* req) {
+bool read_request(Reader& r, Request* req, uint32_t max_value) {
   uint8_t cmd = 0;
   if (!r.u8(&cmd)) return false;
   req->cmd = static_cast<Command>(cmd);
   switch (req->cmd) {
     case Command::kSet:
-      return r.str(&req->key, kMaxKeyBytes, "key") && r.str(&req->value, kMaxValueBytes, "value");
+      return r.str(&req->key, kMaxKeyBytes, "key") && r.str(&req->value, max_value, "value");
     case Command::kGet:
       return r.i64(&req->number) && r.str(&req->key, kMaxKeyBytes, "key");
     case Command::kAdd:
       return r.str(&req->key, kMaxKeyBytes, "key") && r.i64(&req->number);
     case Command::kCompareSet:
       return r.str(&req->key, kMaxKeyBytes, "key") &&
-             r.str(&req->expected, kMaxValueBytes, "expected value") &&
-             r.str(&req->value, kMaxValueBytes, "desired value");
+             r.str(&req->expected, max_value, "expected value") &&
+             r.str(&req->value, max_value, "desired value");
     case Command::kWait:
       return r.i64(&req->number) && r.keys(&req->keys);
     case Command::kCheck:
@@ -212,17 +231,17 @@ bool read_request(Reader& r, Request* req) {
 }
 
 // Parses one request from the front of [data, data + n).
-Parse parse_request(const char* data, size_t n, Request* req, size_t* consumed,
+Parse parse_request(const char* data, size_t n, uint32_t max_value, Request* req, size_t* consumed,
                     std::string* error) {
   Reader measure(data, n, /*copy=*/false);
   Request scratch;
-  if (!read_request(measure, &scratch)) {
+  if (!read_request(measure, &scratch, max_value)) {
     if (!measure.bad()) return Parse::kNeedMore;
     *error = measure.error();
     return Parse::kBad;
   }
   Reader r(data, n, /*copy=*/true);
-  read_request(r, req);
+  read_request(r, req, max_value);
   *consumed = r.consumed();
   return Parse::kOk;
 }
@@ -259,19 +278,31 @@ struct TcpStoreServer::Impl {
     net::Fd fd;
     std::string peer;
     Phase phase = Phase::kHello;
+    std::unique_ptr<handshake::Server> hs;  // while kHello
     std::string in;  // received bytes; [in_off, end) not yet parsed
     size_t in_off = 0;
     std::string out;  // reply bytes; [out_off, end) not yet sent
     size_t out_off = 0;
     bool eof = false;
-    // kHello: end of the hello; parked: end of the wait; kClosing: end of the linger.
+    bool half_closed = false;  // kClosing: the verdict is out; waiting for the peer to close
+    // A large set's value, received in place (value.size() is its length, value_got what arrived).
+    std::string value_key;
+    std::string value;
+    size_t value_got = 0;
+    bool receiving_value = false;
+    uint64_t skip = 0;  // bytes of a refused oversized value still to read and drop
+    // kHello: end of the handshake; parked: end of the wait; kClosing: end of the linger.
     net::Deadline deadline = net::Deadline::max();
     bool parked = false;  // a get or wait is waiting for keys; later requests queue behind it
     Command parked_cmd = Command::kWait;
     std::vector<std::string> parked_keys;
+
+    bool unproven() const { return phase == Phase::kHello || phase == Phase::kClosing; }
   };
 
   TcpStoreServerOptions options;
+  uint32_t max_value = 0;         // options.max_value_bytes as the wire's u32
+  uint64_t max_request_bytes = 0;  // compare_set carries the largest request: a key and two values
   std::string name;  // "TcpStoreServer(127.0.0.1:4242)", for the log
   net::Fd listen_fd;
   net::Fd wake_fd;  // eventfd; stop() writes it to end the thread's poll()
@@ -280,6 +311,7 @@ struct TcpStoreServer::Impl {
   std::atomic<int64_t> refused{0};
   std::atomic<int64_t> malformed{0};
   std::atomic<int64_t> key_bytes{0};  // the bytes of every key and value in `data`
+  std::atomic<int64_t> evicted{0};
   std::mutex stop_mu;
   std::thread thread;
 
@@ -318,8 +350,7 @@ struct TcpStoreServer::Impl {
       if (accepting) fds.push_back({listen_fd.get(), POLLIN, 0});
       const size_t first_client = fds.size();
       for (auto& [id, c] : clients) {
-        short events = 0;
-        if (c->phase != Phase::kClosing) events |= POLLIN;
+        short events = POLLIN;  // a closing client is read until it hangs up (see handshake::half_close)
         if (c->out_off < c->out.size()) events |= POLLOUT;
         fds.push_back({c->fd.get(), events, 0});
         ids.push_back(id);
@@ -341,14 +372,19 @@ struct TcpStoreServer::Impl {
       for (size_t i = 0; i < ids.size(); ++i) {
         const short revents = fds[first_client + i].revents;
         if (revents == 0) continue;
-        Client& c = *clients.at(ids[i]);
+        auto found = clients.find(ids[i]);
+        if (found == clients.end()) continue;  // evicted by accept_clients
+        Client& c = *found->second;
         if (c.phase == Phase::kDead) continue;
         if (revents & POLLOUT) {
           flush(c);
           if (c.out.empty()) runnable.push_back(c.id);  // requests may wait behind that reply
         }
         if (c.phase == Phase::kClosing) {
-          if (revents & (POLLERR | POLLHUP | POLLNVAL)) c.phase = Phase::kDead;
+          if (c.half_closed && (revents & (POLLIN | POLLERR | POLLHUP | POLLNVAL)) &&
+              handshake::drain_until_closed(c.fd.get())) {
+            c.phase = Phase::kDead;
+          }
         } else if (c.phase != Phase::kDead && (revents & (POLLIN | POLLERR | POLLHUP | POLLNVAL))) {
           on_readable(c);
         }
@@ -370,24 +406,66 @@ struct TcpStoreServer::Impl {
         accept_paused_until = net::Clock::now() + std::chrono::milliseconds(100);
         return;
       }
+      evict_unproven_beyond(kMaxUnprovenClients - 1);
       auto c = std::make_unique<Client>();
       c->id = next_id++;
       c->fd = net::Fd(fd);
       net::set_nodelay(fd);
       c->peer = net::peer_string(fd);
+      c->hs = std::make_unique<handshake::Server>(options.token);
       c->deadline = net::deadline_after(kHelloTimeout);
       clients.emplace(c->id, std::move(c));
     }
   }
 
+  // Keeps at most `keep` connections that have not proved themselves, dropping the oldest: a job's
+  // own clients finish their handshake in one round trip, so the oldest are the idle ones.
+  void evict_unproven_beyond(size_t keep) {
+    size_t count = 0;
+    for (const auto& [id, c] : clients) count += c->unproven() ? 1 : 0;
+    for (auto it = clients.begin(); count > keep && it != clients.end(); ++it) {
+      Client& c = *it->second;
+      if (!c.unproven()) continue;
+      if (evicted.fetch_add(1) % 100 == 0) {
+        log("too many connections without a finished handshake (" + std::to_string(count) + "); dropping the " +
+            "oldest, " + c.peer + " (" + std::to_string(evicted.load()) + " dropped so far)");
+      }
+      c.phase = Phase::kDead;
+      c.fd.reset();
+      --count;
+    }
+    reap();
+  }
+
   void on_readable(Client& c) {
     char buf[64 * 1024];
     // Bounded, so that one busy client cannot starve the others; poll() brings us back.
-    for (int round = 0; round < 16 && !c.eof; ++round) {
-      ssize_t k = ::recv(c.fd.get(), buf, sizeof(buf), MSG_DONTWAIT);
+    for (int round = 0; round < 16 && !c.eof &&
+         (c.phase == Phase::kHello || c.phase == Phase::kServing); ++round) {
+      char* dst = buf;
+      size_t room = sizeof(buf);
+      if (c.receiving_value) {
+        dst = &c.value[c.value_got];
+        room = c.value.size() - c.value_got;
+      } else if (c.skip > 0) {
+        room = static_cast<size_t>(std::min<uint64_t>(room, c.skip));
+      } else if (c.phase == Phase::kHello) {
+        room = std::min(room, c.hs->want());  // never read past the handshake
+        if (room == 0) break;
+      }
+      ssize_t k = ::recv(c.fd.get(), dst, room, MSG_DONTWAIT);
       if (k > 0) {
-        c.in.append(buf, static_cast<size_t>(k));
-        if (static_cast<size_t>(k) < sizeof(buf)) break;
+        const size_t got = static_cast<size_t>(k);
+        if (c.receiving_value) {
+          c.value_got += got;
+          if (c.value_got == c.value.size()) finish_direct_set(c);
+        } else if (c.skip > 0) {
+          c.skip -= got;
+        } else {
+          c.in.append(buf, got);
+          process(c);
+        }
+        if (got < room) break;
         continue;
       }
       if (k < 0 && errno == EINTR) continue;
@@ -396,14 +474,18 @@ struct TcpStoreServer::Impl {
     }
     process(c);
     if (c.phase == Phase::kServing || c.phase == Phase::kHello) {
-      const size_t pending = c.in.size() - c.in_off;
-      if (pending > kMaxRequestBytes) {
+      size_t pending = c.in.size() - c.in_off;
+      if (pending > max_request_bytes) {
         drop_malformed(c, std::to_string(pending) + " bytes sent without waiting for replies");
       } else if (c.eof) {
-        if (pending > 0 && !c.parked && c.out_off == c.out.size()) {
+        if (c.phase == Phase::kHello) pending += c.hs->partial();
+        if ((pending > 0 || c.receiving_value || c.skip > 0) && !c.parked && c.out_off == c.out.size()) {
           drop_malformed(c, "connection closed in the middle of a " +
-                                std::string(c.phase == Phase::kHello ? "hello" : "request") + " (" +
-                                std::to_string(pending) + " bytes of it arrived)");
+                                std::string(c.phase == Phase::kHello ? "handshake" : "request") + " (" +
+                                std::to_string(pending + c.value_got) + " bytes of it arrived)");
+        } else if (c.phase == Phase::kHello) {
+          log("closing " + c.peer + ": it hung up during the handshake (a client with another job token "
+              "gives up this way only if it is not a chorus client)");
         }
         c.phase = Phase::kDead;
       }
@@ -420,35 +502,29 @@ struct TcpStoreServer::Impl {
   // answered in order, so a parked wait or an unsent reply holds back the ones behind it.
   void process(Client& c) {
     try {
-      while ((c.phase == Phase::kHello || c.phase == Phase::kServing) && !c.parked &&
-             c.out_off == c.out.size() && c.in_off < c.in.size()) {
+      while ((c.phase == Phase::kHello || c.phase == Phase::kServing) && !c.parked && !c.receiving_value &&
+             c.skip == 0 && c.out_off == c.out.size() && c.in_off < c.in.size()) {
         const char* p = c.in.data() + c.in_off;
         const size_t n = c.in.size() - c.in_off;
+        if (c.phase == Phase::kHello) {
+          const size_t take = std::min(n, c.hs->want());
+          c.hs->feed(p, take);
+          c.in_off += take;
+          handshake_step(c);
+          continue;
+        }
+        if (start_large_set(c, p, n)) continue;
         size_t consumed = 0;
         std::string error;
-        if (c.phase == Phase::kHello) {
-          handshake::Hello hello;
-          Parse parse = handshake::parse_hello(p, n, &hello, &consumed, &error);
-          if (parse == Parse::kNeedMore) break;
-          if (parse == Parse::kBad) {
-            malformed.fetch_add(1);
-            log("dropping " + c.peer + ": malformed hello: " + error);
-            refuse(c, error);
-            break;
-          }
-          c.in_off += consumed;
-          greet(c, hello);
-        } else {
-          Request req;
-          Parse parse = parse_request(p, n, &req, &consumed, &error);
-          if (parse == Parse::kNeedMore) break;
-          if (parse == Parse::kBad) {
-            drop_malformed(c, error);
-            break;
-          }
-          c.in_off += consumed;
-          execute(c, req);
+        Request req;
+        Parse parse = parse_request(p, n, max_value, &req, &consumed, &error);
+        if (parse == Parse::kNeedMore) break;
+        if (parse == Parse::kBad) {
+          drop_malformed(c, error);
+          break;
         }
+        c.in_off += consumed;
+        execute(c, req);
       }
     } catch (const std::exception& e) {  // std::bad_alloc for a huge value, most likely
       log("dropping " + c.peer + ": " + e.what());
@@ -463,42 +539,64 @@ struct TcpStoreServer::Impl {
     }
   }
 
-  void greet(Client& c, const handshake::Hello& hello) {
-    std::string reason;
-    if (hello.version != handshake::kProtocolVersion) {
-      reason = "protocol version mismatch: the client speaks version " +
-               std::to_string(hello.version) + ", this store speaks version " +
-               std::to_string(handshake::kProtocolVersion) +
-               "; run the same chorus build on every host";
-    } else if (hello.kind != handshake::PeerKind::kStoreClient) {
-      reason =
-          "this port serves a chorus TcpStore, not transport connections; check the address "
-          "and port the peer was given";
-    } else if (!handshake::tokens_equal(hello.token, options.token)) {
-      reason =
-          "job token mismatch: this store belongs to another job; set CHORUS_JOB_TOKEN to the "
-          "job's token";
+  // The server's half of the challenge-response (handshake.h), one step per complete message.
+  void handshake_step(Client& c) {
+    handshake::Server& hs = *c.hs;
+    if (hs.state() == handshake::Server::kBad) {
+      malformed.fetch_add(1);
+      log("dropping " + c.peer + ": malformed hello: " + hs.error());
+      refuse(c, hs.error());
+    } else if (hs.state() == handshake::Server::kHello) {
+      std::string reason;
+      if (hs.hello().version != handshake::kProtocolVersion) {
+        reason = "protocol version mismatch: the client speaks version " + std::to_string(hs.hello().version) +
+                 ", this store speaks version " + std::to_string(handshake::kProtocolVersion) +
+                 "; run the same chorus build on every host";
+      } else if (hs.hello().kind != handshake::PeerKind::kStoreClient) {
+        reason = "this port serves a chorus TcpStore, not transport connections; check the address "
+                 "and port the peer was given";
+      }
+      if (!reason.empty()) {
+        refused.fetch_add(1);
+        log("refused " + c.peer + ": " + reason);
+        refuse(c, reason);
+        return;
+      }
+      send(c, hs.challenge());
+    } else if (hs.state() == handshake::Server::kProof) {
+      if (!hs.proven()) {
+        const std::string reason =
+            "job token mismatch: this store belongs to another job (its proof of the job token did not "
+            "match); set CHORUS_JOB_TOKEN to the job's token";
+        refused.fetch_add(1);
+        log("refused " + c.peer + ": " + reason);
+        refuse(c, reason);
+        return;
+      }
+      send(c, hs.accept());
+      c.hs.reset();
+      c.phase = Phase::kServing;
+      c.deadline = net::Deadline::max();
     }
-    if (!reason.empty()) {
-      refused.fetch_add(1);
-      log("refused " + c.peer + ": " + reason);
-      refuse(c, reason);
-      return;
-    }
-    c.phase = Phase::kServing;
-    c.deadline = net::Deadline::max();
-    send(c, handshake::encode_verdict(true, ""));
   }
 
-  // Sends a refusal verdict, then closes once it is out (or the linger time is up).
+  // Sends a refusal verdict, then half-closes once it is out and reads until the peer closes (or the
+  // linger time is up), so the verdict is never destroyed by a reset.
   void refuse(Client& c, const std::string& reason) {
     c.phase = Phase::kClosing;
     c.deadline = net::deadline_after(kLingerTimeout);
-    send(c, handshake::encode_verdict(false, reason));
+    c.in.clear();
+    c.in_off = 0;
+    send(c, handshake::Server::refusal(reason));
   }
 
-  void send(Client& c, const std::string& bytes) {
-    c.out += bytes;
+  void send(Client& c, std::string bytes) {
+    if (c.out_off == c.out.size()) {
+      c.out = std::move(bytes);  // the usual case: no copy of a large reply
+      c.out_off = 0;
+    } else {
+      c.out += bytes;
+    }
     flush(c);
   }
 
@@ -516,8 +614,54 @@ struct TcpStoreServer::Impl {
       return;
     }
     c.out.clear();
+    c.out.shrink_to_fit();  // a large reply's buffer is not kept for the connection's lifetime
     c.out_off = 0;
-    if (c.phase == Phase::kClosing) c.phase = Phase::kDead;
+    if (c.phase == Phase::kClosing && !c.half_closed) {
+      handshake::half_close(c.fd.get());
+      c.half_closed = true;
+    }
+  }
+
+  // A set with a large value: once its key and value length have arrived, the value is read straight
+  // into the string the store will keep (or, beyond max_value_bytes, read and dropped after an error
+  // reply naming the key, the size and the option). Returns false for any other request.
+  bool start_large_set(Client& c, const char* p, size_t n) {
+    if (n < 5 || static_cast<uint8_t>(p[0]) != uint8_t(Command::kSet)) return false;
+    const uint32_t key_len = get_u32(p + 1);
+    if (key_len > kMaxKeyBytes || n < 9 + size_t{key_len}) return false;
+    const uint32_t value_len = get_u32(p + 5 + key_len);
+    const size_t have = n - 9 - key_len;
+    const bool too_large = value_len > max_value;
+    if (!too_large && (value_len < kDirectValueBytes || have >= value_len)) return false;
+    const std::string key(p + 5, key_len);
+    c.in_off += 9 + key_len;
+    const size_t now = std::min<size_t>(have, value_len);
+    if (too_large) {
+      send(c, Writer()
+                  .u8(uint8_t(Status::kError))
+                  .str(value_too_large(name, key, value_len, max_value, "TcpStoreServerOptions::max_value_bytes"))
+                  .take());
+      c.in_off += now;
+      c.skip = value_len - now;
+      return true;
+    }
+    c.value_key = key;
+    c.value.resize(value_len);  // allocated once, at its final size
+    std::memcpy(&c.value[0], p + 9 + key_len, now);
+    c.in_off += now;
+    c.value_got = now;
+    c.receiving_value = true;
+    return true;
+  }
+
+  void finish_direct_set(Client& c) {
+    c.receiving_value = false;
+    c.value_got = 0;
+    put(c.value_key, std::move(c.value));
+    c.value = std::string();
+    send(c, Writer().u8(uint8_t(Status::kOk)).take());
+    notify(c.value_key);
+    runnable.push_back(c.id);  // requests may have queued behind the value
   }
 
   // Every write and delete of `data` goes through these two, which keep key_bytes.
@@ -548,13 +692,13 @@ struct TcpStoreServer::Impl {
     switch (req.cmd) {
       case Command::kSet:
         put(req.key, std::move(req.value));
-        send(c, w.u8(uint8_t(Status::kOk)).bytes());
+        send(c, w.u8(uint8_t(Status::kOk)).take());
         notify(req.key);
         return;
       case Command::kGet: {
         auto it = data.find(req.key);
         if (it != data.end()) {
-          send(c, w.u8(uint8_t(Status::kOk)).str(it->second).bytes());
+          send(c, w.u8(uint8_t(Status::kOk)).str(it->second).take());
         } else {
           park(c, Command::kGet, {req.key}, req.number);
         }
@@ -566,11 +710,11 @@ struct TcpStoreServer::Impl {
         std::string error;
         if (!detail::add_to_value(req.key, it == data.end() ? nullptr : &it->second, req.number,
                                   &result, &error)) {
-          send(c, w.u8(uint8_t(Status::kError)).str(error).bytes());
+          send(c, w.u8(uint8_t(Status::kError)).str(error).take());
           return;
         }
         put(req.key, std::to_string(result));
-        send(c, w.u8(uint8_t(Status::kOk)).i64(result).bytes());
+        send(c, w.u8(uint8_t(Status::kOk)).i64(result).take());
         notify(req.key);
         return;
       }
@@ -583,30 +727,30 @@ struct TcpStoreServer::Impl {
           now = &it->second;
         }
         if (now != nullptr) {
-          send(c, w.u8(uint8_t(Status::kOk)).str(*now).bytes());
+          send(c, w.u8(uint8_t(Status::kOk)).str(*now).take());
           return;
         }
-        send(c, w.u8(uint8_t(Status::kOk)).str(put(req.key, std::move(req.value))).bytes());
+        send(c, w.u8(uint8_t(Status::kOk)).str(put(req.key, std::move(req.value))).take());
         notify(req.key);
         return;
       }
       case Command::kWait:
         if (has_all(req.keys)) {
-          send(c, w.u8(uint8_t(Status::kOk)).bytes());
+          send(c, w.u8(uint8_t(Status::kOk)).take());
         } else {
           park(c, Command::kWait, std::move(req.keys), req.number);
         }
         return;
       case Command::kCheck:
-        send(c, w.u8(uint8_t(Status::kOk)).u8(has_all(req.keys) ? 1 : 0).bytes());
+        send(c, w.u8(uint8_t(Status::kOk)).u8(has_all(req.keys) ? 1 : 0).take());
         return;
       case Command::kDelete: {
         const bool erased = erase(req.key);
-        send(c, w.u8(uint8_t(Status::kOk)).u8(erased ? 1 : 0).bytes());
+        send(c, w.u8(uint8_t(Status::kOk)).u8(erased ? 1 : 0).take());
         return;
       }
       case Command::kNumKeys:
-        send(c, w.u8(uint8_t(Status::kOk)).i64(static_cast<int64_t>(data.size())).bytes());
+        send(c, w.u8(uint8_t(Status::kOk)).i64(static_cast<int64_t>(data.size())).take());
         return;
     }
   }
@@ -649,7 +793,7 @@ struct TcpStoreServer::Impl {
     for (const auto& k : keys) {
       if (data.count(k) == 0) missing.push_back(k);
     }
-    send(c, Writer().u8(uint8_t(Status::kTimeout)).keys(missing).bytes());
+    send(c, Writer().u8(uint8_t(Status::kTimeout)).keys(missing).take());
   }
 
   // `key` was written: answer the parked waits that it completes.
@@ -666,7 +810,7 @@ struct TcpStoreServer::Impl {
       w.u8(uint8_t(Status::kOk));
       if (c.parked_cmd == Command::kGet) w.str(data.at(c.parked_keys[0]));
       unpark(c);
-      if (c.phase == Phase::kServing) send(c, w.bytes());
+      if (c.phase == Phase::kServing) send(c, w.take());
     }
   }
 
@@ -678,7 +822,7 @@ struct TcpStoreServer::Impl {
         unpark(*c);
         reply_timeout(*c, keys);
       } else if (c->phase == Phase::kHello) {
-        log("closing " + c->peer + ": no hello within " + net::format_duration(kHelloTimeout));
+        log("closing " + c->peer + ": no finished handshake within " + net::format_duration(kHelloTimeout));
         c->phase = Phase::kDead;
       } else if (c->phase == Phase::kClosing) {
         c->phase = Phase::kDead;
@@ -711,6 +855,8 @@ struct TcpStoreServer::Impl {
 
 TcpStoreServer::TcpStoreServer(TcpStoreServerOptions options) : impl_(std::make_unique<Impl>()) {
   impl_->options = std::move(options);
+  impl_->max_value = value_limit(impl_->options.max_value_bytes);
+  impl_->max_request_bytes = 1 + 3 * 4 + kMaxKeyBytes + 2 * uint64_t{impl_->max_value};
   impl_->listen_fd = net::listen_tcp(impl_->options.host, impl_->options.port);
   net::set_nonblocking(impl_->listen_fd.get(), true);
   impl_->port = net::local_port(impl_->listen_fd.get());
@@ -731,6 +877,7 @@ int TcpStoreServer::port() const { return impl_->port; }
 int64_t TcpStoreServer::refused_connections() const { return impl_->refused.load(); }
 int64_t TcpStoreServer::malformed_messages() const { return impl_->malformed.load(); }
 int64_t TcpStoreServer::stored_bytes() const { return impl_->key_bytes.load(); }
+int64_t TcpStoreServer::dropped_unproven() const { return impl_->evicted.load(); }
 
 void TcpStoreServer::stop() {
   std::lock_guard<std::mutex> lock(impl_->stop_mu);
@@ -772,6 +919,11 @@ struct TcpStore::Impl {
     void send(const std::string& bytes) {
       net::IoResult r = net::write_full(s_.fd.get(), bytes.data(), bytes.size(), deadline_);
       if (!r.ok()) fail(r);
+    }
+    // A request ending in a large string: its head, then the string itself, so it is never copied.
+    void send(const std::string& head, const std::string& tail) {
+      send(head);
+      send(tail);
     }
 
     // Reads the reply's status; an ERROR reply becomes a UsageError with the server's message.
@@ -861,10 +1013,10 @@ struct TcpStore::Impl {
                        " bytes exceeds the limit of " + std::to_string(kMaxKeyBytes));
     }
   }
-  void check_value(const std::string& value) const {
-    if (value.size() > kMaxValueBytes) {
-      throw UsageError(name + ": value of " + std::to_string(value.size()) +
-                       " bytes exceeds the limit of " + std::to_string(kMaxValueBytes));
+  void check_value(const std::string& key, const std::string& value) const {
+    if (value.size() > options.max_value_bytes || value.size() > UINT32_MAX) {
+      throw UsageError(value_too_large(name, key, value.size(), std::min<uint64_t>(options.max_value_bytes, UINT32_MAX),
+                                       "TcpStoreOptions::max_value_bytes"));
     }
   }
   void check_keys(const std::vector<std::string>& keys) const {
@@ -894,6 +1046,7 @@ TcpStore::TcpStore(TcpStoreOptions options) : impl_(std::make_unique<Impl>()) {
     server.host = is_ip_address(s.options.host) ? s.options.host : "";
     server.port = s.options.port;
     server.token = s.options.token;
+    server.max_value_bytes = s.options.max_value_bytes;
     s.server = std::make_unique<TcpStoreServer>(server);
     s.port = s.server->port();
   } else {
@@ -906,14 +1059,17 @@ TcpStore::TcpStore(TcpStoreOptions options) : impl_(std::make_unique<Impl>()) {
   }
   s.name = "TcpStore(" + host_port(s.options.host, s.port) + ")";
   const net::Deadline deadline = net::deadline_after(s.options.timeout);
-  s.fd = net::connect_tcp(s.options.host, s.port, deadline, "the TcpStore server");
+  net::ConnectProgress progress;
+  progress.interval = s.options.progress_interval;
+  progress.who = s.options.who;
+  progress.report = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
+  s.fd = net::connect_tcp(s.options.host, s.port, deadline, "the TcpStore server",
+                          s.options.progress_interval.count() > 0 ? &progress : nullptr);
   net::set_nodelay(s.fd.get());
   net::set_keepalive(s.fd.get());
   handshake::Hello hello;
   hello.kind = handshake::PeerKind::kStoreClient;
-  hello.version = handshake::kProtocolVersion;
-  hello.token = s.options.token;
-  handshake::client_handshake(s.fd.get(), hello, deadline,
+  handshake::client_handshake(s.fd.get(), s.options.token, hello, deadline,
                               "the TcpStore server at " + host_port(s.options.host, s.port));
   s.local_address = net::local_host(s.fd.get());
 }
@@ -922,10 +1078,10 @@ TcpStore::~TcpStore() = default;
 
 void TcpStore::set(const std::string& key, const std::string& value) {
   impl_->check_key(key);
-  impl_->check_value(value);
+  impl_->check_value(key, value);
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl::Call call(*impl_, "set('" + detail::format_key(key) + "')", with_slack(timeout_));
-  call.send(Writer().u8(uint8_t(Command::kSet)).str(key).str(value).bytes());
+  call.send(Writer().u8(uint8_t(Command::kSet)).str(key).u32(static_cast<uint32_t>(value.size())).bytes(), value);
   call.expect_ok();
 }
 
@@ -940,7 +1096,7 @@ std::string TcpStore::get(const std::string& key) {
     throw TimeoutError(
         detail::wait_timeout_message(impl_->name, {key}, missing, call.elapsed(), Impl::kWaitHint));
   }
-  return call.str(kMaxValueBytes);
+  return call.str(kMaxReplyValueBytes);
 }
 
 int64_t TcpStore::add(const std::string& key, int64_t delta) {
@@ -955,13 +1111,13 @@ int64_t TcpStore::add(const std::string& key, int64_t delta) {
 std::string TcpStore::compare_set(const std::string& key, const std::string& expected,
                                   const std::string& desired) {
   impl_->check_key(key);
-  impl_->check_value(expected);
-  impl_->check_value(desired);
+  impl_->check_value(key, expected);
+  impl_->check_value(key, desired);
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl::Call call(*impl_, "compare_set('" + detail::format_key(key) + "')", with_slack(timeout_));
   call.send(Writer().u8(uint8_t(Command::kCompareSet)).str(key).str(expected).str(desired).bytes());
   call.expect_ok();
-  return call.str(kMaxValueBytes);
+  return call.str(kMaxReplyValueBytes);
 }
 
 void TcpStore::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {

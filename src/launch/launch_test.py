@@ -253,15 +253,34 @@ class LaunchTest(unittest.TestCase):
         port = free_port()  # nothing listens there
         t0 = time.monotonic()
         r = self.chorus("--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "127.0.0.1:%d" % port,
-                        "--rdzv-timeout", "1", ARGS.probe, "env", self.dir)
+                        "--token", "launch-test-secret", "--rdzv-timeout", "1", ARGS.probe, "env", self.dir)
         self.assertNotEqual(r.returncode, 0)
         self.assertIn("127.0.0.1:%d" % port, r.stderr)
         self.assertLess(time.monotonic() - t0, 15)
 
+    def test_several_nodes_need_a_shared_secret(self):
+        port = free_port()
+        base = ["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "127.0.0.1:%d" % port, "--rdzv-timeout", "1"]
+        r = self.chorus(*base, ARGS.probe, "env", self.dir)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("needs a job secret", r.stderr)
+        self.assertIn("--token-file", r.stderr)
+        loose = os.path.join(self.dir, "loose-token")
+        with open(loose, "w") as f:
+            f.write("secret\n")
+        os.chmod(loose, 0o644)
+        r = self.chorus(*base, "--token-file", loose, ARGS.probe, "env", self.dir)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("chmod 600", r.stderr)
+
     def test_two_nodes_meet_at_one_endpoint(self):
         port = free_port()
+        token_file = os.path.join(self.dir, "token")
+        with open(token_file, "w") as f:
+            f.write("two-nodes-secret\n")
+        os.chmod(token_file, 0o600)
         cmd = lambda node: [ARGS.chorus, "run", "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint",
-                            "127.0.0.1:%d" % port, "-n", "2", ARGS.probe, "env", self.dir]
+                            "127.0.0.1:%d" % port, "--token-file", token_file, "-n", "2", ARGS.probe, "env", self.dir]
         procs = [subprocess.Popen(cmd(n), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in (0, 1)]
         outs = []
         try:

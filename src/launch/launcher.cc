@@ -25,6 +25,7 @@
 #include <thread>
 
 #include "chorus/comm/error.h"
+#include "chorus/comm/rendezvous.h"
 #include "chorus/comm/spawn.h"
 #include "chorus/comm/tcp_store.h"
 
@@ -263,10 +264,19 @@ class Agent {
     if (token_.empty()) {
       if (const char* t = std::getenv("CHORUS_JOB_TOKEN")) token_ = t;
     }
+    if (token_.empty() && !o_.token_file.empty()) token_ = read_token_file(o_.token_file);
     if (token_.empty()) {
-      // One node: a fresh token. Several: every node must derive the same one without talking first.
-      token_ = o_.nnodes == 1 ? random_token() : "chorus-endpoint-" + master_addr_ + ":" + std::to_string(master_port_);
+      if (const char* f = std::getenv("CHORUS_JOB_TOKEN_FILE"); f != nullptr && *f != '\0') token_ = read_token_file(f);
     }
+    if (token_.empty() && o_.nnodes > 1) {
+      // Anything every node could derive without talking first, a stranger could derive too.
+      throw UsageError("chorus run: --nnodes " + std::to_string(o_.nnodes) +
+                       " needs a job secret shared by every node, or any process that reaches " + master_addr_ + ":" +
+                       std::to_string(master_port_) + " could join the job: give every node the same --token-file "
+                       "(a file only you can read: openssl rand -hex 16 > ~/.chorus-token && chmod 600 "
+                       "~/.chorus-token), --token or CHORUS_JOB_TOKEN");
+    }
+    if (token_.empty()) token_ = random_token();  // one node: a fresh secret, handed to the workers only
     const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(o_.rdzv_timeout_s * 1000));
     if (o_.node_rank == 0) {
       TcpStoreServerOptions so;
@@ -282,6 +292,7 @@ class Agent {
     co.port = master_port_;
     co.token = token_;
     co.timeout = timeout;
+    co.who = "chorus run (node " + std::to_string(o_.node_rank) + ")";
     try {
       store_ = std::make_shared<TcpStore>(co);
     } catch (const TimeoutError& e) {

@@ -100,7 +100,10 @@ int main(int argc, char** argv) {
   run->add_option("--rdzv-timeout,--rdzv_timeout", launch.rdzv_timeout_s,
                   "seconds to wait for the store and the other nodes")
       ->capture_default_str();
-  run->add_option("--token", launch.token, "job token (default: CHORUS_JOB_TOKEN, else a fresh one)");
+  run->add_option("--token", launch.token,
+                  "job token (default: CHORUS_JOB_TOKEN, else --token-file, else a fresh one on one node)");
+  run->add_option("--token-file,--token_file", launch.token_file,
+                  "file holding the job token, readable only by you (or CHORUS_JOB_TOKEN_FILE); needed with --nnodes > 1");
 
   chorus::tools::BenchArgs bench;
   CLI::App* b = app.add_subcommand("bench", "measure a collective on W local ranks");

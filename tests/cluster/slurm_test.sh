@@ -158,6 +158,10 @@ echo "running: srun -n 2 $bin --max-steps 5 ..."
 start=$SECONDS
 FAIL_CONTEXT="$tmp/slurmctld.log $tmp/slurmd.log"
 cd "$tmp" || fail "cannot enter $tmp"
+# Without a launcher that makes one up, the ranks need a shared secret (docs/launch-env.md); srun
+# passes the environment on.
+CHORUS_JOB_TOKEN=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')
+export CHORUS_JOB_TOKEN
 run_job "$tmp/output.log" "$job_limit" srun srun -n 2 "${overcommit[@]}" \
   --job-name=chorus-env-test --time=5 --kill-on-bad-exit=1 --wait=60 \
   "$bin" --max-steps 5 --eval-limit 200 --no-checkpoint --log-every 1 --metrics-json "$tmp/metrics.json"

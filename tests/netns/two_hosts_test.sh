@@ -111,11 +111,13 @@ launch() {  # launch NS NODE_RANK NAME: its own hostname and IPC namespace too, 
   # shellcheck disable=SC2016 # the inner bash expands $0 and $@
   (cd "$WORK" && exec ip netns exec "$1" unshare --uts --ipc /bin/bash -c 'hostname "${0//_/-}" && exec "$@"' "$1" \
     timeout "$TIMEOUT_S" "$CHORUS" run --nnodes 2 --node-rank "$2" \
-    --rdzv-endpoint "$ADDR_A:$PORT" --nproc-per-node "$NPROC" \
+    --rdzv-endpoint "$ADDR_A:$PORT" --nproc-per-node "$NPROC" --token-file "$WORK/token" \
     "$FASHION_MNIST" --max-steps "$STEPS" --eval-limit 200 --no-checkpoint --metrics-json "$WORK/$3.json") \
     >"$WORK/$3.log" 2>&1 &
   PIDS+=($!)
 }
+# A multi-node job needs a secret shared by every node: a file only this user can read.
+(umask 077 && head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$WORK/token")
 launch "$NS_A" 0 A
 PID_A=$!
 launch "$NS_B" 1 B

@@ -20,9 +20,12 @@
 // 12768, the same on every rank. Open MPI comes before Slurm because mpirun inside a Slurm
 // allocation starts its daemons with srun, so its ranks carry the daemons' SLURM_* variables too.
 //
-// The job token comes from the URL's token=, else CHORUS_JOB_TOKEN, else, under srun or mpirun
-// with rank 0 hosting the store, the job key above (so that another job whose derived port
-// collides is refused instead of joining), else "".
+// The job token (the secret every connection proves, docs/launch-env.md "Job token") comes from
+// the URL's token=, else CHORUS_JOB_TOKEN, else the file CHORUS_JOB_TOKEN_FILE names (it must belong
+// to this user and be readable by nobody else). A job of one rank makes up a random one. Otherwise
+// there is no default: anything derived from what the ranks can all see (job id, endpoint) could
+// be derived by a stranger, so rendezvous throws UsageError saying how to set one. (chorus run on
+// one node and chorus::spawn hand their workers a random CHORUS_JOB_TOKEN.) file:// needs none.
 #pragma once
 
 #include <chrono>
@@ -35,6 +38,8 @@ namespace chorus {
 
 struct RendezvousOptions {
   std::chrono::milliseconds timeout = Store::kDefaultTimeout;
+  // While the store cannot be reached: a line on stderr this often (0 = none).
+  std::chrono::milliseconds progress_interval{5000};
 };
 
 struct Rendezvous {
@@ -47,9 +52,15 @@ struct Rendezvous {
   std::string local_address;
 };
 
-// Throws UsageError for a malformed URL or missing variables (naming them), TimeoutError when the
-// store cannot be reached in time.
+// Throws UsageError for a malformed URL, missing variables or a missing job token (naming them and
+// the fix), TimeoutError when the store cannot be reached in time. While it waits for the store it
+// prints a line to stderr every 5 s (who, where, how long so far, the deadline); a host name that
+// does not resolve fails at once.
 Rendezvous rendezvous(const std::string& url, int rank = -1, int world_size = -1,
                       RendezvousOptions options = {});
+
+// The secret in a job token file (trailing whitespace dropped). Throws UsageError naming the file and
+// the fix when it is missing, empty, not this user's, or readable by group or others.
+std::string read_token_file(const std::string& path);
 
 }  // namespace chorus

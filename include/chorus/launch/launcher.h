@@ -33,7 +33,8 @@ struct LaunchOptions {
   bool tee = false;                  // every rank's output, each line prefixed "[rank N] " (and logged)
   double grace_period_s = 5.0;       // SIGTERM to SIGKILL, finite, in [0, 3600]
   double rdzv_timeout_s = 60.0;      // waiting for the store and for the other nodes, finite, > 0
-  std::string token;                 // job token; default CHORUS_JOB_TOKEN, else fresh (one node)
+  std::string token;                 // job token; default CHORUS_JOB_TOKEN, else token_file, else fresh (one node only)
+  std::string token_file;            // file holding the job token (only the user may read it); or CHORUS_JOB_TOKEN_FILE
   std::vector<std::string> program;  // the program and its arguments
 };
 
