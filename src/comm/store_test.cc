@@ -763,26 +763,32 @@ TEST(TcpStore, ServerStoppingFailsPendingAndLaterCallsFast) {
   EXPECT_LT(seconds_since(later), 1.0);
 }
 
-TEST(TcpStore, ServerProcessKilledFailsCallsFast) {
+// Forks a process that serves a TcpStoreServer (token "t") until killed; sets *pid and *port.
+void fork_store_server(pid_t* pid, int* port) {
   int pipe_fds[2];
   ASSERT_EQ(::pipe(pipe_fds), 0);
-  pid_t pid = ::fork();
-  ASSERT_GE(pid, 0);
-  if (pid == 0) {
+  *pid = ::fork();
+  ASSERT_GE(*pid, 0);
+  if (*pid == 0) {
     ::close(pipe_fds[0]);
     try {
       TcpStoreServer server(server_options("t"));
-      int port = server.port();
-      if (::write(pipe_fds[1], &port, sizeof(port)) != sizeof(port)) ::_exit(1);
+      int p = server.port();
+      if (::write(pipe_fds[1], &p, sizeof(p)) != sizeof(p)) ::_exit(1);
       for (;;) ::pause();
     } catch (...) {
       ::_exit(1);
     }
   }
   ::close(pipe_fds[1]);
-  int port = 0;
-  ASSERT_EQ(::read(pipe_fds[0], &port, sizeof(port)), static_cast<ssize_t>(sizeof(port)));
+  ASSERT_EQ(::read(pipe_fds[0], port, sizeof(*port)), static_cast<ssize_t>(sizeof(*port)));
   ::close(pipe_fds[0]);
+}
+
+TEST(TcpStore, ServerProcessKilledFailsCallsFast) {
+  pid_t pid = -1;
+  int port = 0;
+  ASSERT_NO_FATAL_FAILURE(fork_store_server(&pid, &port));
   TcpStore store(client_options(port, "t", 20s));
   store.set("k", "v");
   ::kill(pid, SIGKILL);
@@ -845,25 +851,9 @@ int64_t peak_rss(pid_t pid) {
 // A large set is received straight into the stored string: the server holds it once, not once in
 // its input buffer and again in the map.
 TEST(TcpStoreServer, LargeSetIsHeldOnceNotTwice) {
-  int pipe_fds[2];
-  ASSERT_EQ(::pipe(pipe_fds), 0);
-  pid_t pid = ::fork();
-  ASSERT_GE(pid, 0);
-  if (pid == 0) {
-    ::close(pipe_fds[0]);
-    try {
-      TcpStoreServer server(server_options("t"));
-      int port = server.port();
-      if (::write(pipe_fds[1], &port, sizeof(port)) != sizeof(port)) ::_exit(1);
-      for (;;) ::pause();
-    } catch (...) {
-      ::_exit(1);
-    }
-  }
-  ::close(pipe_fds[1]);
+  pid_t pid = -1;
   int port = 0;
-  ASSERT_EQ(::read(pipe_fds[0], &port, sizeof(port)), static_cast<ssize_t>(sizeof(port)));
-  ::close(pipe_fds[0]);
+  ASSERT_NO_FATAL_FAILURE(fork_store_server(&pid, &port));
   {
     TcpStore store(client_options(port, "t", 30s));
     store.set("small", "x");
