@@ -1,27 +1,24 @@
 // Accelerator: the few changed lines that turn a single-process libtorch loop into a data-parallel
-// one, with gradient accumulation, bf16 autocast, gradient clipping and exact metrics (the role of
-// Hugging Face Accelerate's Accelerator).
+// one, with gradient accumulation, bf16 autocast, gradient clipping, exact metrics, resumable state,
+// stop signals, run records and progress (the role of Hugging Face Accelerate's Accelerator).
 //
 //   chorus::train::AcceleratorOptions o;
+//   o.run_name = "mnist";                                   // records and state in runs/mnist/
 //   o.gradient_accumulation_steps = 4;
-//   o.mixed_precision = chorus::train::MixedPrecision::kBF16;
 //   chorus::train::Accelerator accelerator(o);              // process group from the environment
 //   auto model = accelerator.prepare_model(net);             // DDP inside
 //   torch::optim::SGD sgd(net->parameters(), 0.1);
 //   auto optimizer = accelerator.prepare_optimizer(sgd);
-//   torch::optim::StepLR step_lr(sgd, 10, 0.5);
-//   auto scheduler = accelerator.prepare_scheduler(step_lr);
-//   auto loader = accelerator.prepare_data_loader(train_set.map(Stack<>()), DataLoaderOptions(64));
-//   for (int epoch = 0; epoch < epochs; ++epoch) {
+//   auto loader = accelerator.prepare_data_loader(train_set, DataLoaderOptions(64));
+//   for (int64_t epoch : accelerator.epochs(10)) {           // resumes where a killed run stopped
 //     for (auto& batch : loader) {                          // epoch order advances by itself
 //       optimizer.zero_grad();
 //       auto loss = torch::nll_loss(model(batch.data), batch.target);
 //       accelerator.backward(loss);                         // scaled by 1/k; no_sync on k-1 of k
-//       accelerator.clip_grad_norm_(1.0);
-//       optimizer.step();                                   // these three act on sync steps only
-//       scheduler.step();
+//       optimizer.step();                                   // acts on sync steps only
 //     }
-//   }
+//     accelerator.log({{"test_accuracy", evaluate(model)}});
+//   }                                                       // state saved after every epoch
 //
 // Contract:
 // - One Accelerator per process, on every rank, over one process group (AcceleratorOptions::group,
@@ -31,8 +28,9 @@
 // - prepare_model is collective (it builds a ddp::DistributedDataParallel, which checks and
 //   broadcasts the parameters): every rank prepares the same models in the same order. A model
 //   prepared twice, or one sharing parameters with a prepared model (e.g. its sub-module), is a
-//   UsageError (its gradients would be reduced twice). Prepare the models before their optimizer: prepare_optimizer
-//   raises UsageError when any of the optimizer's parameters belongs to no prepared model.
+//   UsageError (its gradients would be reduced twice). Prepare the models before their optimizer:
+//   prepare_optimizer raises UsageError when any of the optimizer's parameters belongs to no
+//   prepared model.
 // - Micro-steps: every backward() is one micro-step. It synchronises gradients (allreduce, the k-th
 //   micro-step since the last sync, or the last batch of a prepared loader's pass) or runs under
 //   no_sync (gradients accumulate locally, nothing is communicated). The loss is divided by
@@ -41,11 +39,41 @@
 //   first); the prepared optimizer's step()/zero_grad(), the prepared scheduler's step() and
 //   clip_grad_norm_ act only then and do nothing otherwise. Every rank runs the same number of
 //   micro-steps (a prepared loader gives every rank the same number of batches), so syncs agree.
+//   A synchronising backward() is one optimizer step: global_step() counts them.
+// - Step boundaries: a step ends when the loop next asks a prepared training loader for a batch
+//   (or at the end of an epochs() iteration, save_state, end_training). There the Accelerator
+//   writes the step's records, shows progress, saves state every checkpoint_every steps and, with
+//   more than one rank, agrees on stop signals (a one-element allreduce). A loader's pass ends
+//   early once max_steps optimizer steps are done.
+// - State (save_state/load_state, collective): the prepared models' parameters and buffers, the
+//   prepared optimizer's full state (at most one optimizer), each prepared scheduler (its step
+//   count, replayed on load, and its learning rates), every rank's CPU RNG, the optimizer step,
+//   each prepared loader's epoch and position in it (mid-epoch: a resumed loader skips the batches
+//   already trained on without loading them), the elapsed time and registered user objects. On the
+//   collective atomic checkpoint (chorus/train/checkpoint.h) in run_dir()/state. Resuming at the
+//   same world size and batch size gives the same batches, RNG draws and (with deterministic
+//   kernels, e.g. one thread) the same losses as an uninterrupted run.
+// - Resume policy, decided in the constructor (collective): when run_dir()/state holds a state,
+//   it is loaded at the start of epochs() if `resume` is set or the launcher restarted the job
+//   (CHORUS_RESTART_COUNT, TORCHELASTIC_RESTART_COUNT or SLURM_RESTART_COUNT above 0: `chorus run
+//   --max-restarts` needs no flag); with `overwrite` (and no restart) it is deleted; otherwise the
+//   constructor raises UsageError, so a run never silently replaces another's state.
+// - Stop signals: SIGTERM, SIGUSR1 and SIGUSR2 (chorus run forwards them; Slurm sends one before
+//   preemption) are recorded by a handler; at the next step boundary the ranks agree, save state
+//   and, with exit_on_signal (the default), exit the process with status 0 (std::_Exit after
+//   flushing stdout, stderr and the run records: code after the loop does not run and objects on
+//   the stack are not destroyed). Without it the loops end and stopped() is true.
+// - Run records (docs/run-records.md): config.json, metrics/rank-<r>.jsonl, metrics.jsonl (rank 0's
+//   aggregate over all ranks, gathered every 25 steps), logs/rank-<r>.log and summary.json under
+//   run_dir() = project_dir/run_name. A resumed run appends, dropping lines beyond the resumed step.
+// - Progress on rank 0: a bar rewritten in place when stdout is a terminal (not under mpirun or
+//   srun), else a plain line every log_every steps.
 // - Mixed precision: kBF16 runs each prepared model's forward under libtorch's CPU autocast
 //   (bfloat16 for matmuls and convolutions, float32 for reductions and losses) and converts a
 //   tensor output back to float32; parameters, gradients and the optimizer stay float32. kFP16
 //   needs a loss scaler and a CUDA device: on CPU it is a UsageError that says to use kBF16.
-// - Collectives (prepare_model, synchronising backward, the prepared model's eval(),
+// - Collectives (the constructor, prepare_model, synchronising backward, step boundaries, the
+//   prepared model's eval(), epochs() iteration, save_state, load_state, end_training,
 //   gather_for_metrics, reduce, wait_for_everyone, main_process_first) must be called by every
 //   rank in the same order. Their errors and deadlines are those of the process group
 //   (ProcessGroupOptions::timeout): TimeoutError, PeerError, MismatchError.
@@ -57,9 +85,11 @@
 #include <torch/optim/optimizer.h>
 #include <torch/optim/schedulers/lr_scheduler.h>
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -80,6 +110,9 @@ enum class MixedPrecision {
   kFP16,  // float16 with a loss scaler: CUDA only, not available yet (UsageError on CPU)
 };
 
+// "no", "bf16" or "fp16" (UsageError otherwise), for command lines.
+MixedPrecision parse_mixed_precision(const std::string& name);
+
 struct AcceleratorOptions {
   // k: backward() synchronises every k-th micro-step; the loss is divided by k.
   int gradient_accumulation_steps = 1;
@@ -90,6 +123,25 @@ struct AcceleratorOptions {
   uint64_t seed = 0;
   bool shuffle = true;
   bool drop_last = false;  // drop the dataset's tail instead of padding it to a multiple of the world
+  // Training stops after this many optimizer steps in all (0: no limit).
+  int64_t max_steps = 0;
+
+  // The run directory: project_dir/run_name, relative to the working directory. An empty run_name
+  // is the program's file name.
+  std::string project_dir = "runs";
+  std::string run_name;
+  bool records = true;              // metrics, logs, config and summary (state is saved regardless)
+  nlohmann::json config;            // the user's configuration, stored in config.json
+  bool resume = false;              // continue from run_dir()/state when it holds a state
+  bool overwrite = false;           // delete a state left in run_dir() and start afresh
+  bool checkpoint_each_epoch = true;  // save_state after every epochs() iteration and at the end
+  int64_t checkpoint_every = 0;     // also save_state every N optimizer steps (0: never)
+  int keep_last = 2;                // state versions kept on disk
+  bool fsync = true;                // false: no fsync of state files (tests on tmpfs)
+  bool exit_on_signal = true;       // after a stop signal's save: exit the process with status 0
+  bool progress = true;             // rank 0's progress bar or lines on stdout
+  int64_t log_every = 50;           // plain progress line every N steps when stdout is no terminal
+
   // nullptr: chorus::dist's default group, initialised with the three below unless it exists.
   ProcessGroup* group = nullptr;
   std::string backend = "chorus";
@@ -114,26 +166,48 @@ class AutocastGuard {
   c10::ScalarType previous_dtype_ = c10::ScalarType::BFloat16;
 };
 
+class Accelerator;
+
 namespace detail {
 // A reduced-precision floating tensor back to float32; anything else unchanged.
 at::Tensor to_float32(const at::Tensor& t);
 
-// A torch Sampler that shares one DistributedSampler with its owner: the data loader keeps a copy
-// of its sampler, and this lets the prepared loader still set the epoch of the one it uses.
+// Timing hooks of the prepared objects (defined where Accelerator is complete).
+void add_forward_time(Accelerator& accelerator, double seconds);
+void add_data_time(Accelerator& accelerator, double seconds);
+void begin_pass(Accelerator& accelerator);
+bool at_step_boundary(Accelerator& accelerator);  // true: the training loop should stop
+
+// A prepared training loader's position, shared by the loader (and its sampler) and the
+// Accelerator (which saves and restores it).
+struct LoaderState {
+  std::shared_ptr<data::DistributedSampler> sampler;
+  int64_t batch_size = 1;
+  int64_t batches_per_epoch = 0;
+  int64_t position = 0;         // batches of the current pass handed to the loop
+  int64_t skip = 0;             // batches the next pass skips (a resumed position)
+  bool pass_completed = false;  // the current pass reached its end: the next one is the next epoch
+  // Samples in batch `index` of a pass on this rank.
+  int64_t batch_samples(int64_t index) const;
+  // The epoch and position a resumed run continues at.
+  int64_t resume_epoch() const { return sampler->epoch() + (pass_completed ? 1 : 0); }
+  int64_t resume_position() const { return pass_completed ? 0 : position; }
+};
+
+// A torch Sampler over a LoaderState's DistributedSampler: the data loader keeps a copy of its
+// sampler, and this lets the prepared loader still set the epoch and skip resumed batches.
 class SharedSampler : public torch::data::samplers::Sampler<> {
  public:
-  explicit SharedSampler(std::shared_ptr<data::DistributedSampler> sampler) : sampler_(std::move(sampler)) {}
-  void reset(torch::optional<size_t> new_size = torch::nullopt) override { sampler_->reset(new_size); }
-  torch::optional<std::vector<size_t>> next(size_t batch_size) override { return sampler_->next(batch_size); }
-  void save(torch::serialize::OutputArchive& archive) const override { sampler_->save(archive); }
-  void load(torch::serialize::InputArchive& archive) override { sampler_->load(archive); }
+  explicit SharedSampler(std::shared_ptr<LoaderState> state) : state_(std::move(state)) {}
+  void reset(torch::optional<size_t> new_size = torch::nullopt) override;
+  torch::optional<std::vector<size_t>> next(size_t batch_size) override { return state_->sampler->next(batch_size); }
+  void save(torch::serialize::OutputArchive& archive) const override { state_->sampler->save(archive); }
+  void load(torch::serialize::InputArchive& archive) override { state_->sampler->load(archive); }
 
  private:
-  std::shared_ptr<data::DistributedSampler> sampler_;
+  std::shared_ptr<LoaderState> state_;
 };
 }  // namespace detail
-
-class Accelerator;
 
 // A model wrapped in DistributedDataParallel. Calling it runs the forward under the accelerator's
 // autocast; in training mode through DDP (a collective when buffers are broadcast), in eval mode
@@ -142,14 +216,21 @@ class Accelerator;
 template <typename ModuleType>
 class PreparedModel {
  public:
-  PreparedModel(std::shared_ptr<ddp::DistributedDataParallel<ModuleType>> ddp, bool autocast)
-      : ddp_(std::move(ddp)), autocast_(autocast) {}
+  PreparedModel(Accelerator& accelerator, std::shared_ptr<ddp::DistributedDataParallel<ModuleType>> ddp,
+                bool autocast)
+      : accelerator_(&accelerator), ddp_(std::move(ddp)), autocast_(autocast) {}
 
   template <typename... Args>
   auto forward(Args&&... args) {
+    const bool training = ddp_->module()->is_training();
+    const auto start = std::chrono::steady_clock::now();
     AutocastGuard guard(autocast_);
-    auto out = ddp_->module()->is_training() ? ddp_->forward(std::forward<Args>(args)...)
-                                             : ddp_->module()->forward(std::forward<Args>(args)...);
+    auto out = training ? ddp_->forward(std::forward<Args>(args)...)
+                        : ddp_->module()->forward(std::forward<Args>(args)...);
+    if (training) {
+      detail::add_forward_time(*accelerator_,
+                               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
     if constexpr (std::is_same_v<decltype(out), at::Tensor>) {
       return detail::to_float32(out);
     } else {
@@ -176,6 +257,7 @@ class PreparedModel {
   ddp::DistributedDataParallel<ModuleType>& ddp() { return *ddp_; }
 
  private:
+  Accelerator* accelerator_;
   std::shared_ptr<ddp::DistributedDataParallel<ModuleType>> ddp_;
   bool autocast_;
 };
@@ -197,20 +279,24 @@ class PreparedOptimizer {
 // The LR scheduler, advancing only on sync steps (one step per optimizer step).
 class PreparedScheduler {
  public:
-  PreparedScheduler(Accelerator& accelerator, torch::optim::LRScheduler& scheduler)
-      : accelerator_(&accelerator), scheduler_(&scheduler) {}
+  PreparedScheduler(Accelerator& accelerator, torch::optim::LRScheduler& scheduler, std::shared_ptr<int64_t> steps)
+      : accelerator_(&accelerator), scheduler_(&scheduler), steps_(std::move(steps)) {}
   void step();
   torch::optim::LRScheduler& scheduler() { return *scheduler_; }
+  // The step() calls that advanced the scheduler (saved with the state, replayed on load).
+  int64_t steps() const { return *steps_; }
 
  private:
   Accelerator* accelerator_;
   torch::optim::LRScheduler* scheduler_;
+  std::shared_ptr<int64_t> steps_;
 };
 
 // A data loader over this rank's DistributedSampler share of a dataset. Each pass (begin() to
 // end()) yields the same number of batches on every rank; a pass that reached its end moves the
-// next one to the next epoch (a pass broken off early is repeated from its start, same epoch).
-// The last batch of a pass makes its backward() a sync step.
+// next one to the next epoch (a pass broken off early is repeated from its start, same epoch,
+// unless the Accelerator ended it: then the next pass continues where it stopped). The last batch
+// of a pass makes its backward() a sync step.
 template <typename Dataset>
 class PreparedDataLoader {
  public:
@@ -219,8 +305,8 @@ class PreparedDataLoader {
 
   class Iterator {
    public:
-    Iterator(PreparedDataLoader* owner, torch::data::Iterator<Batch> inner, bool is_end)
-        : owner_(owner), inner_(std::move(inner)), is_end_(is_end) {}
+    Iterator(PreparedDataLoader* owner, torch::data::Iterator<Batch> inner, bool is_end, int64_t position)
+        : owner_(owner), inner_(std::move(inner)), is_end_(is_end), position_(position) {}
     Batch& operator*() {
       if (!is_end_ && noted_ != position_) {
         noted_ = position_;
@@ -230,13 +316,21 @@ class PreparedDataLoader {
     }
     Batch* operator->() { return &**this; }
     Iterator& operator++() {
+      const auto start = std::chrono::steady_clock::now();
       ++inner_;
       ++position_;
+      detail::add_data_time(*owner_->accelerator_,
+                            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
       return *this;
     }
+    // The loop's test for its end is the step boundary: records, progress, checkpoints, signals.
     bool operator==(const Iterator& other) const {
+      if (!is_end_ && other.is_end_ && detail::at_step_boundary(*owner_->accelerator_)) {
+        owner_->state_->skip = owner_->state_->position;  // stopped: the next pass continues here
+        return true;
+      }
       const bool equal = inner_ == other.inner_;
-      if (equal && !is_end_ && other.is_end_) owner_->pass_completed_ = true;
+      if (equal && !is_end_ && other.is_end_) owner_->state_->pass_completed = true;
       return equal;
     }
     bool operator!=(const Iterator& other) const { return !(*this == other); }
@@ -245,47 +339,82 @@ class PreparedDataLoader {
     PreparedDataLoader* owner_;
     torch::data::Iterator<Batch> inner_;
     bool is_end_;
-    int64_t position_ = 0;
+    int64_t position_;
     int64_t noted_ = -1;
   };
 
-  PreparedDataLoader(Accelerator& accelerator, std::shared_ptr<data::DistributedSampler> sampler,
-                     std::unique_ptr<Loader> loader, int64_t batches_per_epoch)
-      : accelerator_(&accelerator),
-        sampler_(std::move(sampler)),
-        loader_(std::move(loader)),
-        batches_per_epoch_(batches_per_epoch) {}
+  PreparedDataLoader(Accelerator& accelerator, std::shared_ptr<detail::LoaderState> state,
+                     std::unique_ptr<Loader> loader)
+      : accelerator_(&accelerator), state_(std::move(state)), loader_(std::move(loader)) {}
 
   Iterator begin() {
-    if (pass_completed_) sampler_->set_epoch(sampler_->epoch() + 1);
-    pass_completed_ = false;
-    return Iterator(this, loader_->begin(), false);
+    auto& s = *state_;
+    s.sampler->set_epoch(s.pass_completed ? s.sampler->epoch() + 1 : s.sampler->epoch());
+    s.pass_completed = false;
+    s.position = s.skip;
+    detail::begin_pass(*accelerator_);  // steps are timed from here (not from an evaluation before)
+    const auto start = std::chrono::steady_clock::now();
+    auto inner = loader_->begin();  // resets the sampler, which skips s.skip batches
+    detail::add_data_time(*accelerator_,
+                          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    const int64_t first = s.skip;
+    s.skip = 0;
+    return Iterator(this, std::move(inner), false, first);
   }
-  Iterator end() { return Iterator(this, loader_->end(), true); }
+  Iterator end() { return Iterator(this, loader_->end(), true, 0); }
 
-  // The epoch of the current (or next) pass. set_epoch pins the next pass to `epoch`.
-  int64_t epoch() const { return sampler_->epoch(); }
+  // The epoch of the current (or next) pass. set_epoch pins the next pass to `epoch`, from its start.
+  int64_t epoch() const { return state_->sampler->epoch(); }
   void set_epoch(int64_t epoch) {
-    sampler_->set_epoch(epoch);
-    pass_completed_ = false;
+    state_->sampler->set_epoch(epoch);
+    state_->pass_completed = false;
+    state_->skip = 0;
   }
-  int64_t batches_per_epoch() const { return batches_per_epoch_; }
-  data::DistributedSampler& sampler() { return *sampler_; }
+  int64_t batches_per_epoch() const { return state_->batches_per_epoch; }
+  data::DistributedSampler& sampler() { return *state_->sampler; }
 
  private:
   void on_batch(int64_t position);
 
   Accelerator* accelerator_;
-  std::shared_ptr<data::DistributedSampler> sampler_;
+  std::shared_ptr<detail::LoaderState> state_;
   std::unique_ptr<Loader> loader_;
-  int64_t batches_per_epoch_;
-  bool pass_completed_ = false;
+};
+
+class Accelerator;
+
+// `for (int64_t epoch : accelerator.epochs(n))`: the epochs left of n, from the resumed one. Its
+// begin() loads the state when resuming (see the contract); each iteration's end saves state
+// (checkpoint_each_epoch) and agrees on stop signals; the range ends early at max_steps or a stop,
+// and its end runs end_training().
+class EpochRange {
+ public:
+  class Iterator {
+   public:
+    Iterator(Accelerator* accelerator, int64_t epoch) : accelerator_(accelerator), epoch_(epoch) {}
+    int64_t operator*() const { return epoch_; }
+    Iterator& operator++();
+    bool operator!=(const Iterator& end) const;
+    bool operator==(const Iterator& end) const { return !(*this != end); }
+
+   private:
+    Accelerator* accelerator_;
+    int64_t epoch_;
+  };
+  EpochRange(Accelerator& accelerator, int64_t epochs) : accelerator_(&accelerator), epochs_(epochs) {}
+  Iterator begin();
+  Iterator end() { return Iterator(accelerator_, epochs_); }
+
+ private:
+  Accelerator* accelerator_;
+  int64_t epochs_;
 };
 
 class Accelerator {
  public:
-  // Throws UsageError for gradient_accumulation_steps < 1 or kFP16 (before any communication);
-  // initialises the default process group when `group` is null and none exists.
+  // Collective. Throws UsageError for bad options (before any communication) and for a state left
+  // in the run directory that this run may not resume or replace (see the contract); initialises
+  // the default process group when `group` is null and none exists; writes config.json.
   explicit Accelerator(AcceleratorOptions options = {});
   ~Accelerator();
   Accelerator(const Accelerator&) = delete;
@@ -296,6 +425,8 @@ class Accelerator {
   int rank() const { return rank_; }
   int world_size() const { return world_size_; }
   bool is_main_process() const { return rank_ == 0; }
+  // project_dir/run_name.
+  const std::string& run_dir() const { return run_dir_; }
 
   // Collective. Wraps `model` in DistributedDataParallel with options().ddp.
   template <typename ModuleType>
@@ -305,8 +436,8 @@ class Accelerator {
     ddp::Options o = options_.ddp;
     o.group = group_;
     auto wrapped = std::make_shared<ddp::DistributedDataParallel<ModuleType>>(model, o);
-    register_model(wrapped, *model, wrapped->reducer());
-    return PreparedModel<ModuleType>(std::move(wrapped), autocast_enabled());
+    register_model(wrapped, model, wrapped->reducer());
+    return PreparedModel<ModuleType>(*this, std::move(wrapped), autocast_enabled());
   }
   template <typename Holder, typename = decltype(std::declval<Holder>().ptr())>
   auto prepare_model(Holder holder) {
@@ -323,20 +454,12 @@ class Accelerator {
   template <typename Dataset>
   PreparedDataLoader<Dataset> prepare_data_loader(Dataset dataset, torch::data::DataLoaderOptions loader_options) {
     const int64_t size = dataset_size(dataset.size());
-    data::DistributedSamplerOptions so;
-    so.num_replicas = world_size_;
-    so.rank = rank_;
-    so.shuffle = options_.shuffle;
-    so.seed = options_.seed;
-    so.drop_last = options_.drop_last;
-    auto sampler = std::make_shared<data::DistributedSampler>(size, so);
-    const int64_t per_rank = sampler->num_samples();
     const auto batch = static_cast<int64_t>(loader_options.batch_size());
     if (batch < 1) throw UsageError(who() + ": prepare_data_loader needs a batch_size of at least 1");
-    const int64_t batches = loader_options.drop_last() ? per_rank / batch : (per_rank + batch - 1) / batch;
-    auto loader = torch::data::make_data_loader(std::move(dataset), detail::SharedSampler(sampler),
+    auto state = make_loader_state(size, batch, loader_options.drop_last());
+    auto loader = torch::data::make_data_loader(std::move(dataset), detail::SharedSampler(state),
                                                 std::move(loader_options));
-    return PreparedDataLoader<Dataset>(*this, std::move(sampler), std::move(loader), batches);
+    return PreparedDataLoader<Dataset>(*this, std::move(state), std::move(loader));
   }
 
   // Local. A loader over this rank's block of evaluation_indices (every item once, ranks may get
@@ -348,12 +471,17 @@ class Accelerator {
                                          std::move(loader_options));
   }
 
+  // The training loop's epochs (see EpochRange).
+  EpochRange epochs(int64_t epochs) { return EpochRange(*this, epochs); }
+
   // One micro-step: (loss / k).backward(), synchronising or under no_sync (see the contract).
   void backward(const at::Tensor& loss);
   // Whether the latest backward() synchronised the gradients (true before the first).
   bool sync_gradients() const { return sync_; }
-  // Synchronised backward passes so far: the number of optimizer steps.
+  // Synchronised backward passes so far (across resumes): the number of optimizer steps.
   int64_t global_step() const { return global_step_; }
+  // The first prepared training loader's epoch (0 without one).
+  int64_t epoch() const;
 
   // On a sync step: clips the (averaged, so equal on every rank) gradients of every prepared model
   // to total norm max_norm and returns their norm before clipping, the same on every rank. On
@@ -368,9 +496,13 @@ class Accelerator {
   // an integer tensor is floating).
   at::Tensor reduce(const at::Tensor& tensor, Reduction reduction = Reduction::kSum);
 
-  // Writes the arguments and a newline to stdout on rank 0 only.
+  // Local. Records user scalars (an object of numbers) at the current step in this rank's metrics
+  // (rank 0's also in the aggregate, and the latest of each in summary.json).
+  void log(const nlohmann::json& scalars);
+
+  // Writes the arguments and a newline to stdout on rank 0 only (and to its log file).
   template <typename... Args>
-  void print(const Args&... args) const {
+  void print(const Args&... args) {
     if (rank_ != 0) return;
     std::ostringstream out;
     (out << ... << args);
@@ -383,41 +515,122 @@ class Accelerator {
   // not run fn.
   void main_process_first(const std::function<void()>& fn);
 
+  // Collective. Saves the state (see the contract) as a new version in run_dir()/state; returns
+  // the version's path. UsageError between the micro-steps of an accumulation (the accumulated
+  // gradients are not part of the state): call it after a sync step.
+  std::string save_state();
+  // Collective. Loads the current state of run_dir()/state (or of `dir`, a state directory or one
+  // version of it) into everything prepared; false (on every rank) when there is none. Loaders
+  // resume mid-epoch; at another world size or batch size the position is converted to the first
+  // batch holding samples not yet trained on, with a notice.
+  bool load_state(const std::string& dir = {});
+  // Local. An object saved with the state as the bytes `save` returns, given back to `load` when
+  // a state is loaded (a name saved but not registered is ignored; one registered but missing
+  // from the state is not loaded). Register on every rank before epochs() begins.
+  void register_for_checkpointing(const std::string& name, std::function<std::string()> save,
+                                  std::function<void(const std::string&)> load);
+
+  // Collective, once (epochs() calls it at its end; later calls do nothing): records the last step,
+  // saves state when checkpoint_each_epoch and the last save is older, writes summary.json and
+  // prints the closing line.
+  void end_training();
+  // Whether a stop signal ended training (only visible with exit_on_signal = false).
+  bool stopped() const { return stopped_; }
+
   // The forward's autocast, for code outside a prepared model.
   bool autocast_enabled() const { return options_.mixed_precision == MixedPrecision::kBF16; }
 
  private:
   template <typename Dataset>
   friend class PreparedDataLoader;
-
-  std::string who() const;
-  int64_t dataset_size(torch::optional<size_t> size) const;
-  void check_not_prepared(const torch::nn::Module& module) const;
-  void register_model(std::shared_ptr<void> owner, torch::nn::Module& module, ddp::Reducer& reducer);
-  void print_line(const std::string& line) const;
-  void on_last_batch_of_pass() { end_of_pass_ = true; }
+  friend class PreparedOptimizer;
+  friend class EpochRange;
+  friend void detail::add_forward_time(Accelerator&, double);
+  friend void detail::add_data_time(Accelerator&, double);
+  friend void detail::begin_pass(Accelerator&);
+  friend bool detail::at_step_boundary(Accelerator&);
 
   struct PreparedRecord {
     std::shared_ptr<void> owner;  // keeps the DDP (and its reducer) alive
-    const torch::nn::Module* module;
+    std::shared_ptr<torch::nn::Module> module;
     ddp::Reducer* reducer;
     std::vector<at::Tensor> parameters;
   };
+  struct SchedulerRecord {
+    torch::optim::LRScheduler* scheduler;
+    std::shared_ptr<int64_t> steps;
+  };
+  struct UserObject {
+    std::string name;
+    std::function<std::string()> save;
+    std::function<void(const std::string&)> load;
+  };
+  struct Timing;
+  struct Records;
+
+  std::string who() const;
+  int64_t dataset_size(torch::optional<size_t> size) const;
+  std::shared_ptr<detail::LoaderState> make_loader_state(int64_t dataset_size, int64_t batch, bool drop_last_batch);
+  void check_not_prepared(const torch::nn::Module& module) const;
+  void register_model(std::shared_ptr<void> owner, std::shared_ptr<torch::nn::Module> module, ddp::Reducer& reducer);
+  void print_line(const std::string& line);
+  void notice(const std::string& line);  // every rank's log, rank 0's stdout
+  void on_batch(detail::LoaderState& loader, int64_t position);
+
+  // The loop's hooks.
+  int64_t start_training(int64_t epochs);
+  void begin_epoch(int64_t epoch);
+  void end_epoch();
+  bool training_done(int64_t epoch, int64_t epochs);
+  bool step_boundary();
+  void settle_step();
+  void finish_step();
+  void flush_aggregate();
+  int agree_on_signal();
+  [[noreturn]] void stop_and_exit(int signal);
+  void stop(int signal);
+  double elapsed() const;
 
   AcceleratorOptions options_;
   ProcessGroup* group_ = nullptr;
   int rank_ = 0;
   int world_size_ = 1;
+  std::string run_dir_;
+  std::string state_dir_;
+  bool resume_ = false;  // load the state at the start of epochs()
+  int restart_count_ = 0;
   std::vector<PreparedRecord> models_;
-  int accumulated_ = 0;      // micro-steps since the last sync
-  bool sync_ = true;         // whether the latest backward() synchronised
-  bool end_of_pass_ = false; // the batch of the coming backward() is the last of a pass
+  std::vector<torch::optim::Optimizer*> optimizers_;
+  std::vector<SchedulerRecord> schedulers_;
+  std::vector<std::shared_ptr<detail::LoaderState>> loaders_;
+  std::vector<UserObject> user_objects_;
+  int accumulated_ = 0;       // micro-steps since the last sync
+  bool sync_ = true;          // whether the latest backward() synchronised
+  bool end_of_pass_ = false;  // the batch of the coming backward() is the last of a pass
   int64_t global_step_ = 0;
+  int64_t settled_step_ = 0;   // the last step whose boundary ran
+  int64_t saved_step_ = -1;    // the step of the latest save_state
+  bool started_ = false;
+  bool ended_ = false;
+  bool stopped_ = false;
+  int64_t epochs_ = 0;         // epochs() of the current loop
+  int64_t planned_steps_ = 0;  // optimizer steps the loop will run (0: unknown)
+  int64_t first_step_ = 0;     // global_step_ when this process started training
+  std::unique_ptr<Timing> timing_;
+  std::unique_ptr<Records> records_;
 };
 
 template <typename Dataset>
 void PreparedDataLoader<Dataset>::on_batch(int64_t position) {
-  if (position + 1 >= batches_per_epoch_) accelerator_->on_last_batch_of_pass();
+  accelerator_->on_batch(*state_, position);
 }
+
+// Runs `train` as one rank of a job and returns main()'s exit status. In a process a launcher
+// started as one rank (chorus run or torchrun set RANK; mpirun with more than one rank sets
+// OMPI_COMM_WORLD_RANK; srun with more than one task sets SLURM_PROCID in a job step) it runs here;
+// otherwise in `nproc` local processes started by chorus::spawn (nproc 0 or 1: one). An exception
+// is printed on one line (libtorch's without its backtrace) as "<program>: rank R: error: ...",
+// recorded for chorus run's report, and gives status 2 for a UsageError, else 1.
+int run_job(const char* program, int nproc, const std::function<void()>& train);
 
 }  // namespace chorus::train
