@@ -128,4 +128,10 @@ at::Tensor normalise(const at::Tensor& images_uint8) {
   return images_uint8.to(at::kFloat).div_(255.0).sub_(0.1307).div_(0.3081);
 }
 
+torch::data::Example<> Dataset::get_batch(c10::ArrayRef<size_t> indices) {
+  std::vector<int64_t> idx(indices.begin(), indices.end());
+  const at::Tensor rows = at::tensor(idx, at::kLong);
+  return {normalise(split_.images.index_select(0, rows)), split_.labels.index_select(0, rows)};
+}
+
 }  // namespace fashion_mnist

@@ -2,6 +2,8 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <torch/data/datasets/base.h>
+#include <torch/data/example.h>
 
 #include <string>
 
@@ -19,5 +21,17 @@ Split load_split(const std::string& dir, bool train);
 
 // Pixels to the network's input, as PyTorch's MNIST example: (x / 255 - 0.1307) / 0.3081.
 at::Tensor normalise(const at::Tensor& images_uint8);
+
+// A split as a torch batch dataset: a batch of indices becomes normalised images and their labels
+// in one index_select, with no tensor per item (what torchvision's MNIST gives, batched).
+class Dataset : public torch::data::datasets::BatchDataset<Dataset, torch::data::Example<>> {
+ public:
+  explicit Dataset(Split split) : split_(std::move(split)) {}
+  torch::data::Example<> get_batch(c10::ArrayRef<size_t> indices) override;
+  torch::optional<size_t> size() const override { return static_cast<size_t>(split_.size()); }
+
+ private:
+  Split split_;
+};
 
 }  // namespace fashion_mnist

@@ -3,6 +3,8 @@
 #include <ATen/autocast_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/utils/clip_grad.h>
+#include <dlfcn.h>
+#include <torch/utils.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -88,6 +90,7 @@ struct Accelerator::Records {
   double samples = 0, step_ms = 0, data_ms = 0, forward_ms = 0, backward_ms = 0, optimizer_ms = 0, comm_ms = 0,
          comm_wait_ms = 0;
   double last_loss = std::numeric_limits<double>::quiet_NaN();
+  double loss_sum = 0;
 };
 
 namespace detail {
@@ -578,6 +581,14 @@ int64_t Accelerator::start_training(int64_t epochs) {
   if (options_.max_steps > 0) {
     planned_steps_ = planned_steps_ > 0 ? std::min(planned_steps_, options_.max_steps) : options_.max_steps;
   }
+  {
+    std::ostringstream line;
+    line << "training: " << world_size_ << " rank(s) over " << group_->transport() << ", epochs " << first + 1 << ".."
+         << epochs;
+    if (planned_steps_ > 0) line << ", " << planned_steps_ - global_step_ << " optimizer step(s)";
+    if (options_.records) line << ", records in " << run_dir_;
+    notice(line.str());
+  }
   timing_->reset_step(Clock::now());
   return first;
 }
@@ -701,6 +712,7 @@ void Accelerator::flush_aggregate() {
     r.comm_ms += agg.comm_ms;
     r.comm_wait_ms += agg.comm_wait_ms;
     r.last_loss = agg.loss;
+    r.loss_sum += agg.loss;
   }
   const int64_t last_step = r.pending_logs.empty() ? 0 : global_step_;  // every row up to it is written now
   while (next_log < r.pending_logs.size() && r.pending_logs[next_log]["step"].get<int64_t>() <= last_step) {
@@ -761,7 +773,7 @@ void Accelerator::end_training() {
         {"status", stopped_ ? "stopped" : "finished"},
         {"steps", global_step_},
         {"steps_this_attempt", global_step_ - first_step_},
-        {"epochs", epoch()},
+        {"epochs_completed", loaders_.empty() ? 0 : loaders_.front()->resume_epoch()},
         {"samples", r.samples},
         {"samples_per_s", samples_per_s},
         {"train_seconds", train_s},
@@ -781,8 +793,9 @@ void Accelerator::end_training() {
   }
   if (!stopped_) {
     char line[256];
-    std::snprintf(line, sizeof(line), "done: %lld steps, %.0f samples/s, loss %.4f, %.1f s%s%s",
-                  static_cast<long long>(global_step_ - first_step_), samples_per_s, r.last_loss, wall,
+    std::snprintf(line, sizeof(line), "done: %lld steps, %.0f samples/s, train loss %.4f (mean), %.1f s%s%s",
+                  static_cast<long long>(global_step_ - first_step_), samples_per_s,
+                  r.steps > 0 ? r.loss_sum / static_cast<double>(r.steps) : 0.0, wall,
                   options_.records ? "; records in " : "", options_.records ? run_dir_.c_str() : "");
     notice(line);
   }
@@ -987,6 +1000,13 @@ int report(const char* program, const std::string& who, const std::exception& e)
   return dynamic_cast<const UsageError*>(&e) != nullptr ? 2 : 1;
 }
 }  // namespace
+
+void set_num_threads(int threads) {
+  if (threads < 1) throw UsageError("set_num_threads: " + std::to_string(threads) + " threads; at least 1");
+  torch::set_num_threads(threads);
+  using SetThreads = void (*)(int);
+  if (auto f = reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) f(threads);
+}
 
 int run_job(const char* program, int nproc, const std::function<void()>& train) {
   if (const char* rank = launched_rank()) {

@@ -625,6 +625,11 @@ void PreparedDataLoader<Dataset>::on_batch(int64_t position) {
   accelerator_->on_batch(*state_, position);
 }
 
+// Intra-op threads of this process: torch::set_num_threads, and OpenBLAS's own pool when OpenBLAS
+// is the BLAS in use (Debian's libblas.so.3 alternative; it otherwise runs a thread per core, so
+// two ranks on two cores would run four BLAS threads).
+void set_num_threads(int threads);
+
 // Runs `train` as one rank of a job and returns main()'s exit status. In a process a launcher
 // started as one rank (chorus run or torchrun set RANK; mpirun with more than one rank sets
 // OMPI_COMM_WORLD_RANK; srun with more than one task sets SLURM_PROCID in a job step) it runs here;
