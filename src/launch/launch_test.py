@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Tests of `chorus run` with real processes: the worker environment, the root-cause report (a
 worker that throws, one that exits 7, one that is SIGKILLed, one that catches its error while a
-lower rank fails after it, the training example's injected failure), restarts with resume, signal
+lower rank fails after it, the training harness's injected failure), restarts with resume, signal
 forwarding, the command line (`--`, torchrun's spellings, help and exit codes, numeric checks),
 --log-dir keeping rank 0 on the terminal, scratch directories of killed launchers, an unreachable
 endpoint, and two nodes meeting at one endpoint.
@@ -88,8 +88,8 @@ class LaunchTest(unittest.TestCase):
         self.assertIn("rank 2: finished normally", r.stderr)
         self.assertNotIn("rank 2: killed", r.stderr)
 
-    def test_report_names_the_failing_rank_of_the_training_example(self):
-        r = self.chorus("-n", "2", ARGS.fashion_mnist, "--fail-at-step", "2", "--max-steps", "5",
+    def test_report_names_the_failing_rank_of_the_training_harness(self):
+        r = self.chorus("-n", "2", ARGS.fashion_mnist_ddp, "--fail-at-step", "2", "--max-steps", "5",
                         "--no-checkpoint", "--eval-limit", "100", timeout=120)
         self.assertEqual(r.returncode, 1, r.stderr[-2000:])
         self.assertIn("root cause: rank 1", r.stderr)
@@ -116,7 +116,7 @@ class LaunchTest(unittest.TestCase):
     def test_restart_resumes_the_training_job_from_its_checkpoint(self):
         ckpt = os.path.join(self.dir, "ckpt")
         metrics = os.path.join(self.dir, "m.json")
-        r = self.chorus("-n", "2", "--max-restarts", "2", ARGS.fashion_mnist, "--max-steps", "30",
+        r = self.chorus("-n", "2", "--max-restarts", "2", ARGS.fashion_mnist_ddp, "--max-steps", "30",
                         "--checkpoint-every", "10", "--fail-at-step", "15", "--resume", "--checkpoint-dir", ckpt,
                         "--eval-limit", "200", "--metrics-json", metrics, timeout=240)
         self.assertEqual(r.returncode, 0, r.stderr[-2000:])
@@ -306,6 +306,6 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--chorus", required=True)
     ap.add_argument("--probe", required=True)
-    ap.add_argument("--fashion-mnist", required=True)
+    ap.add_argument("--fashion-mnist-ddp", required=True, help="bench/fashion_mnist_ddp, the training harness")
     ARGS, rest = ap.parse_known_args()
     unittest.main(argv=[sys.argv[0]] + rest, verbosity=2)

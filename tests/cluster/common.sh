@@ -58,7 +58,7 @@ except ValueError as e:
 if m.get("world_size") != world:
     hint = ""
     if m.get("world_size") == 1:
-        hint = (": each process trained alone, as a job of its own. fashion_mnist must take the "
+        hint = (": each process trained alone, as a job of its own. fashion_mnist_ddp must take the "
                 "engine's variables (SLURM_PROCID in a step, OMPI_COMM_WORLD_RANK) as 'started by "
                 "a launcher' rather than starting ranks itself")
     sys.exit(f"FAIL: world_size {m.get('world_size')} in {path}, expected {world}{hint}")

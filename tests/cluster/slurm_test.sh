@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# srun -n 2 (Slurm) starts two fashion_mnist processes without chorus run: they must find each
+# srun -n 2 (Slurm) starts two fashion_mnist_ddp processes without chorus run: they must find each
 # other from Slurm's variables alone (env:// rendezvous: SLURM_PROCID, SLURM_STEP_NUM_TASKS, the
 # first host of SLURM_STEP_NODELIST, a port derived from SLURM_JOB_ID and SLURM_STEP_ID) and train
 # as one job of 2 ranks.
@@ -10,13 +10,13 @@
 # them and removes the directory, also when it fails or is interrupted. Needs root (slurmd starts
 # tasks as their user) and Debian's slurm-wlm and munge.
 #
-#   tests/cluster/slurm_test.sh build/bin/fashion_mnist
+#   tests/cluster/slurm_test.sh build/bin/fashion_mnist_ddp
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 # shellcheck source=tests/cluster/common.sh
 . "$here/common.sh"
 
-bin=${1:?usage: slurm_test.sh FASHION_MNIST_BINARY}
+bin=${1:?usage: slurm_test.sh FASHION_MNIST_DDP_BINARY}
 [ -x "$bin" ] || fail "$bin is not an executable"
 bin=$(cd "$(dirname "$bin")" && pwd)/$(basename "$bin")
 for tool in slurmctld slurmd srun sinfo squeue scancel munged munge unmunge; do
@@ -166,4 +166,4 @@ run_job "$tmp/output.log" "$job_limit" srun srun -n 2 "${overcommit[@]}" \
   --job-name=chorus-env-test --time=5 --kill-on-bad-exit=1 --wait=60 \
   "$bin" --max-steps 5 --eval-limit 200 --no-checkpoint --log-every 1 --metrics-json "$tmp/metrics.json"
 check_metrics "$tmp/metrics.json" 2 5
-echo "PASS: srun -n 2 ran fashion_mnist as one job of 2 ranks in $((SECONDS - start)) s"
+echo "PASS: srun -n 2 ran fashion_mnist_ddp as one job of 2 ranks in $((SECONDS - start)) s"

@@ -1,8 +1,9 @@
 #!/bin/bash
 # Two hosts on one machine: two network namespaces joined by a veth pair, one `chorus run` in each
-# (--nnodes 2 --nproc-per-node NPROC), training Fashion-MNIST for a few steps over the veth.
+# (--nnodes 2 --nproc-per-node NPROC), training the Fashion-MNIST harness
+# (bench/fashion_mnist_ddp) for a few steps over the veth.
 #
-#   two_hosts_test.sh CHORUS FASHION_MNIST [NPROC]
+#   two_hosts_test.sh CHORUS FASHION_MNIST_DDP [NPROC]
 #
 # NPROC 1 (default): one rank per host, so the default transport is TCP. NPROC 2: two ranks per
 # host, so it is the hybrid: shared memory within each host, TCP between them over the veth.
@@ -20,7 +21,7 @@
 set -euo pipefail
 
 if [[ $# -lt 2 || $# -gt 3 ]]; then
-  echo "usage: $0 CHORUS FASHION_MNIST [NPROC]" >&2
+  echo "usage: $0 CHORUS FASHION_MNIST_DDP [NPROC]" >&2
   exit 2
 fi
 CHORUS=$(realpath "$1")
@@ -43,7 +44,7 @@ command -v ip >/dev/null || skip "ip (iproute2) is not installed"
 command -v ss >/dev/null || skip "ss (iproute2) is not installed"
 unshare --uts --ipc true 2>/dev/null || skip "cannot make UTS and IPC namespaces (unshare --uts --ipc)"
 [[ -x $CHORUS ]] || fail "no executable chorus at $CHORUS"
-[[ -x $FASHION_MNIST ]] || fail "no executable fashion_mnist at $FASHION_MNIST"
+[[ -x $FASHION_MNIST ]] || fail "no executable fashion_mnist_ddp at $FASHION_MNIST"
 
 # Unique per run: names carry our pid, the subnet a random octet.
 NS_A=chorus_a_$$

@@ -1,7 +1,8 @@
-#!/usr/bin/env python3
-"""The test suite's run of the Fashion-MNIST job (registered as fashion_mnist_test).
+#!/usr/bin/python3
+"""The test suite's run of the Fashion-MNIST harness, the hand-written DDP loop of
+bench/fashion_mnist_ddp (registered as fashion_mnist_test).
 
-usage: run_test.py PATH/TO/fashion_mnist
+usage: run_test.py PATH/TO/fashion_mnist_ddp
 
 1. 2 ranks, 20 steps of the CNN, full test-set evaluation, a checkpoint: exits 0, prints progress,
    and the metrics JSON has the issue's keys with sane values (the model learned something).

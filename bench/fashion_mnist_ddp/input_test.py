@@ -1,14 +1,14 @@
 #!/usr/bin/python3
-"""What a user of the Fashion-MNIST example hits around its inputs (registered as
-fashion_mnist_input_test).
+"""What the Fashion-MNIST harness (bench/fashion_mnist_ddp, the hand-written DDP loop) does with
+bad inputs (registered as fashion_mnist_input_test).
 
-usage: input_test.py PATH/TO/fashion_mnist
+usage: input_test.py PATH/TO/fashion_mnist_ddp
 
 - A gzip bomb (1 MB that inflates to 1 GiB) and a header that claims too many items are refused
   after reading the header, without inflating the rest; empty training and test sets are errors.
 - Bad numbers (--lr nan, ...) get a one-line error and exit code 2; --help shows the flags as
   they are.
-- Checkpoints: the default directory is runs/fashion_mnist under the current directory; a run
+- Checkpoints: the default directory is runs/fashion_mnist_ddp under the current directory; a run
   without --resume refuses to replace a checkpoint (--overwrite does); an unwritable directory
   fails before training; resuming at another world size says what changes.
 - The progress line is rewritten in place only on a real terminal: not under srun or mpirun,
@@ -108,8 +108,8 @@ def test_checkpoints(tmp):
     os.mkdir(cwd)
     p = run(["--data", DATA] + SHORT, cwd)
     check(p.returncode == 0, "first run")
-    latest = os.path.join(cwd, "runs", "fashion_mnist", "latest")
-    check(os.path.exists(latest), "no checkpoint under runs/fashion_mnist by default")
+    latest = os.path.join(cwd, "runs", "fashion_mnist_ddp", "latest")
+    check(os.path.exists(latest), "no checkpoint under runs/fashion_mnist_ddp by default")
     before = sorted(os.listdir(os.path.dirname(latest)))
 
     p = run(["--data", DATA] + SHORT, cwd)
@@ -139,7 +139,7 @@ def test_checkpoints(tmp):
 
 
 def output_on_pty(args, env):
-    """The example's stdout when it is a pseudo-terminal, as a terminal would receive it."""
+    """The harness's stdout when it is a pseudo-terminal, as a terminal would receive it."""
     master, slave = pty.openpty()
     chunks = []
 
