@@ -21,7 +21,7 @@ build: deps configure
 	cmake --build $(BUILD_DIR)
 
 # The main job: Fashion-MNIST, 2 ranks started by `chorus run`, one epoch, exact test accuracy at the end.
-# Checkpoints go to runs/fashion_mnist (ignored by git); each `make run` starts afresh (--overwrite).
+# Records and state go to runs/fashion_mnist (ignored by git); each `make run` starts afresh (--overwrite).
 run: build
 	$(BUILD_DIR)/bin/chorus run -n 2 $(BUILD_DIR)/bin/fashion_mnist --epochs 1 --overwrite
 
@@ -33,9 +33,13 @@ test: build
 stress: build
 	cd $(BUILD_DIR) && ctest --output-on-failure --repeat until-fail:$(STRESS_REPEAT) -L multiproc $(CTEST_FLAGS)
 
+# compare-ddp runs the Accelerator example as an extra row beside the hand-written loop (the
+# harness) and PyTorch DDP.
+ACCELERATOR_ROW = accelerator example={bin}/fashion_mnist --nproc {world} --max-steps {steps} --epochs {epochs} --batch-size {batch_size} --lr {lr} --seed {seed} --threads 1 --data {data} --overwrite
+
 bench: build
 	bench/compare-gloo
-	bench/compare-ddp
+	bench/compare-ddp --row '$(ACCELERATOR_ROW)'
 
 clean:
 	rm -rf $(BUILD_DIR)

@@ -91,6 +91,7 @@ struct Accelerator::Records {
          comm_wait_ms = 0;
   double last_loss = std::numeric_limits<double>::quiet_NaN();
   double loss_sum = 0;
+  double boundary_seconds = 0;  // this rank's time in step boundaries, saves excluded
 };
 
 namespace detail {
@@ -632,6 +633,11 @@ void Accelerator::settle_step() {
 void Accelerator::finish_step() {
   auto& t = *timing_;
   const auto now = Clock::now();
+  struct BoundaryTimer {  // the boundary's own cost (records, progress, aggregate, signal check)
+    Clock::time_point start;
+    double* total;
+    ~BoundaryTimer() { *total += seconds_between(start, Clock::now()); }
+  } boundary_timer{now, &records_->boundary_seconds};
   detail::StepRow row;
   row.step = global_step_;
   row.epoch = epoch();
@@ -661,7 +667,7 @@ void Accelerator::finish_step() {
                          ? static_cast<double>(planned_steps_ - global_step_) * t.train_seconds / static_cast<double>(done)
                          : -1;
   r.progress.step(global_step_, planned_steps_, row.epoch, epochs_, row.loss, samples_per_s, eta);
-  if (rank_ != 0 && global_step_ % options_.log_every == 0) {
+  if (global_step_ % options_.log_every == 0) {  // every rank's log, whatever stdout shows
     char line[160];
     std::snprintf(line, sizeof(line), "step %lld  epoch %lld  loss %.4f  %.0f samples/s (this rank x %d)",
                   static_cast<long long>(global_step_), static_cast<long long>(row.epoch + 1), row.loss,
@@ -672,7 +678,9 @@ void Accelerator::finish_step() {
   if (const int sig = agree_on_signal()) {
     stop(sig);
   } else if (options_.checkpoint_every > 0 && global_step_ % options_.checkpoint_every == 0) {
+    const auto save_start = Clock::now();
     save_state();
+    records_->boundary_seconds -= seconds_between(save_start, Clock::now());  // a save is no bookkeeping
   }
 }
 
@@ -780,6 +788,9 @@ void Accelerator::end_training() {
         {"wall_seconds", wall},
         {"loss", std::isnan(r.last_loss) ? nlohmann::json(nullptr) : nlohmann::json(r.last_loss)},
         {"last", r.last_scalars},
+        // Rank 0's time in step boundaries (records, progress, the aggregate's gather, the signal
+        // check; saves excluded) as a share of its training time: the bookkeeping's cost.
+        {"boundary_share", timing_->train_seconds > 0 ? r.boundary_seconds / timing_->train_seconds : 0.0},
         {"step_ms_mean",
          {{"step", mean(r.step_ms)},
           {"data", mean(r.data_ms)},
