@@ -16,10 +16,12 @@ its records land in runs/<name>/ there.
 4. A rerun over a saved state without --resume or --overwrite is refused, naming both.
 5. bf16 autocast: the loss curve (means over 20 steps) stays within tolerance of fp32; the speed
    of both is printed.
+6. On a terminal (a pty) rank 0 draws a bar rewritten in place; with TERM=dumb it prints lines.
 Needs Debian's dataset-fashion-mnist (or FASHION_MNIST_DATA=DIR). Only the standard library.
 """
 import json
 import os
+import pty
 import signal
 import subprocess
 import sys
@@ -100,6 +102,29 @@ def rank_pid(name, rank):
                 and not argv[0].endswith(b"chorus"):
             return int(pid)
     sys.exit(f"FAIL: no process is rank {rank} of run {name}")
+
+
+def run_in_pty(cmd, cwd, env):
+    """Runs cmd with a pseudo-terminal as its stdout and stderr; returns (exit code, output)."""
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.chdir(cwd)
+        os.execvpe(cmd[0], cmd, env)
+    out = b""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            data = os.read(fd, 65536)
+        except OSError:  # EIO: the terminal's last writer is gone
+            break
+        if not data:
+            break
+        out += data
+    else:
+        os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    os.close(fd)
+    return os.waitstatus_to_exitcode(status), out.decode(errors="replace")
 
 
 def main():
@@ -183,6 +208,18 @@ def main():
               f"vs {s32['last']['test_accuracy']:.4f}; speed {s16['samples_per_s']:.0f} vs {s32['samples_per_s']:.0f} "
               f"samples/s (bf16/fp32 {s16['samples_per_s'] / s32['samples_per_s']:.2f}x)", flush=True)
         check(abs(s16["last"]["test_accuracy"] - s32["last"]["test_accuracy"]) < 0.03, "bf16 test accuracy off")
+
+        # 6. The progress bar on a terminal, plain lines on a dumb one.
+        for term, in_place in (("xterm", True), ("dumb", False)):
+            cmd = [chorus, "run", "-n", "2", example, "--run-name", "tty-" + term, "--max-steps", "20", "--threads", "1"]
+            rc, out = run_in_pty(cmd, cwd, dict(os.environ, TERM=term))
+            print(repr(out[-600:]), flush=True)
+            check(rc == 0, f"TERM={term}: exit code {rc}")
+            bar = "\r" in out and "\x1b[K" in out and "#" in out and "step 20/20" in out
+            check(bar == in_place, f"TERM={term}: bar drawn in place: {bar}, expected {in_place}")
+            if not in_place:
+                check("step 20/20" in out, "TERM=dumb: no plain progress line")
+        print("PASS: a progress bar on a terminal, plain lines with TERM=dumb", flush=True)
     print("PASS")
 
 

@@ -427,6 +427,13 @@ PreparedOptimizer Accelerator::prepare_optimizer(torch::optim::Optimizer& optimi
     if (models_.empty()) out << " (no model is prepared yet)";
     throw UsageError(out.str());
   }
+  for (size_t g = 0; g < optimizer.param_groups().size(); ++g) {
+    const double lr = optimizer.param_groups()[g].options().get_lr();
+    if (!std::isfinite(lr) || lr < 0) {
+      throw UsageError(who() + ": prepare_optimizer: parameter group " + std::to_string(g) + " has learning rate " +
+                       std::to_string(lr) + "; it must be a finite number >= 0 (check the value passed in)");
+    }
+  }
   optimizers_.push_back(&optimizer);
   return PreparedOptimizer(*this, optimizer);
 }

@@ -397,6 +397,9 @@ TEST(PrepareErrors, DoublePrepareAndForeignOptimizerParameters) {
     expect_usage_error([&] {
       accelerator.prepare_data_loader(Items(features(4, 6)).map(Stack<>()), torch::data::DataLoaderOptions(0));
     }, {"batch_size"});
+    torch::optim::SGD nan_lr(net->parameters(), 0.1);  // libtorch checks at construction only
+    nan_lr.param_groups()[0].options().set_lr(std::nan(""));
+    expect_usage_error([&] { accelerator.prepare_optimizer(nan_lr); }, {"learning rate", "finite"});
   }), "");
 }
 
