@@ -35,6 +35,46 @@ std::vector<double> moving_mean(const std::vector<double>& y, int window) {
   return out;
 }
 
+// Bar labels side by side when they fit under their bars (about 7 px a character at 11 px), else
+// slanted, steeper when the bars are narrow.
+std::string bar_label_rotation(const std::vector<std::string>& labels, const FigureStyle& style) {
+  const double slot = 0.8 * style.width / static_cast<double>(std::max<size_t>(1, labels.size()));
+  size_t longest = 0;
+  for (const auto& l : labels) longest = std::max(longest, l.size());
+  if (static_cast<double>(longest) * 7 <= slot) return "";
+  return slot >= 60 ? " rotate by 25 right" : " rotate by 60 right";
+}
+
+// The indices of y's points to draw, at most about max_points of them: all when they fit; else, per
+// bucket of consecutive points, the lowest and highest in index order (`envelope`) or the first,
+// and always the last point.
+std::vector<size_t> drawn_points(const std::vector<double>& y, size_t max_points, bool envelope) {
+  std::vector<size_t> out;
+  const size_t n = y.size();
+  if (n <= max_points || max_points < 4) {
+    for (size_t k = 0; k < n; ++k) out.push_back(k);
+    return out;
+  }
+  const size_t buckets = envelope ? max_points / 2 : max_points - 1;
+  const size_t width = (n + buckets - 1) / buckets;
+  for (size_t lo = 0; lo < n; lo += width) {
+    const size_t hi = std::min(n, lo + width);
+    if (!envelope) {
+      out.push_back(lo);
+      continue;
+    }
+    size_t min_k = lo, max_k = lo;
+    for (size_t k = lo; k < hi; ++k) {
+      if (y[k] < y[min_k]) min_k = k;
+      if (y[k] > y[max_k]) max_k = k;
+    }
+    out.push_back(std::min(min_k, max_k));
+    if (max_k != min_k) out.push_back(std::max(min_k, max_k));
+  }
+  if (out.back() != n - 1) out.push_back(n - 1);
+  return out;
+}
+
 double mean_of(const std::vector<StepRecord>& steps, double StepRecord::*field) {
   double sum = 0;
   size_t n = 0;
@@ -259,7 +299,7 @@ std::string gnuplot_script(const Figure& f, const FigureStyle& style) {
       << "set style fill solid 0.9 border lc rgb '#ffffff'\n"
       << "set boxwidth 0.55 relative\n"
       << "set yrange [0:*]\n"
-      << "set xtics scale 0" << (f.categories.size() > 3 ? " rotate by -20" : "") << "\n"
+      << "set xtics scale 0" << bar_label_rotation(f.categories, style) << "\n"
       << "set grid noxtics ytics\n"
       << "set key below horizontal\n"
       << "$bars << EOD\n";
@@ -289,21 +329,29 @@ std::string gnuplot_script(const Figure& f, const FigureStyle& style) {
     return g.str();
   }
 
-  // A blank line in a data block breaks gnuplot's line there.
-  auto block = [&](const std::string& name, const Series& s, const std::vector<double>& y) {
+  // A blank line in a data block breaks gnuplot's line there: between two drawn points that a
+  // break lies between.
+  auto block = [&](const std::string& name, const Series& s, const std::vector<double>& y,
+                   const std::vector<size_t>& drawn) {
     g << name << " << EOD\n";
     size_t next_break = 0;
-    for (size_t k = 0; k < s.x.size(); ++k) {
-      while (next_break < s.breaks.size() && s.breaks[next_break] < k) ++next_break;
-      if (k > 0 && next_break < s.breaks.size() && s.breaks[next_break] == k) g << "\n";
+    for (size_t n = 0; n < drawn.size(); ++n) {
+      const size_t k = drawn[n];
+      if (n > 0) {
+        while (next_break < s.breaks.size() && s.breaks[next_break] <= drawn[n - 1]) ++next_break;
+        if (next_break < s.breaks.size() && s.breaks[next_break] <= k) g << "\n";
+      }
       g << num(s.x[k]) << ' ' << num(y[k]) << "\n";
     }
     g << "EOD\n";
   };
   for (size_t i = 0; i < f.series.size(); ++i) {
     const Series& s = f.series[i];
-    block("$d" + std::to_string(i), s, s.y);
-    if (s.smooth > 1) block("$s" + std::to_string(i), s, moving_mean(s.y, s.smooth));
+    block("$d" + std::to_string(i), s, s.y, drawn_points(s.y, style.max_points, /*envelope=*/true));
+    if (s.smooth > 1) {
+      const std::vector<double> mean = moving_mean(s.y, s.smooth);
+      block("$s" + std::to_string(i), s, mean, drawn_points(mean, style.max_points, /*envelope=*/false));
+    }
   }
   g << "plot ";
   for (size_t i = 0; i < f.series.size(); ++i) {

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <algorithm>
 #include <regex>
 #include <sstream>
 
@@ -309,6 +310,40 @@ TEST(GnuplotScript, InlineDataQuotedLabelsAndSmoothing) {
 
   f.series.clear();
   EXPECT_NE(gnuplot_script(f).find("'no data'"), std::string::npos);
+}
+
+// A long run: at most about max_points drawn per line, the spike kept, the line still ending at the
+// last step.
+TEST(GnuplotScript, LongSeriesAreThinnedKeepingSpikes) {
+  Figure f;
+  f.id = "x";
+  Series s;
+  s.label = "long";
+  for (int k = 0; k < 10000; ++k) {
+    s.x.push_back(k + 1);
+    s.y.push_back(k == 5000 ? 99.0 : 1.0 + (k % 7) * 0.01);
+  }
+  s.smooth = 51;
+  s.breaks = {7000};
+  f.series.push_back(s);
+  FigureStyle style;
+  style.max_points = 200;
+  const std::string g = gnuplot_script(f, style);
+  auto block_lines = [&](const std::string& name) {
+    const size_t start = g.find(name + " << EOD\n");
+    EXPECT_NE(start, std::string::npos) << name;
+    const std::string body = g.substr(start, g.find("EOD\n", start + name.size() + 8) - start);
+    return std::count(body.begin(), body.end(), '\n');
+  };
+  EXPECT_LE(block_lines("$d0"), 200 + 4);
+  EXPECT_GE(block_lines("$d0"), 150);
+  EXPECT_LE(block_lines("$s0"), 200 + 4);
+  EXPECT_NE(g.find("\n5001 99\n"), std::string::npos);   // the spike, raw
+  EXPECT_NE(g.find("\n10000 1.03\n"), std::string::npos);  // the last point (9999 % 7 = 3)
+  // The break at point 7000 (x 7001) is a blank line in both blocks.
+  const size_t d0 = g.find("$d0 << EOD"), s0 = g.find("$s0 << EOD");
+  EXPECT_LT(g.find("\n\n", d0), s0);
+  EXPECT_NE(g.find("\n\n", s0), std::string::npos);
 }
 
 TEST(GnuplotScript, StackedBars) {

@@ -147,6 +147,10 @@ struct FigureStyle {
   int width = 620;  // SVG size in pixels
   int height = 380;
   std::string font = "sans,11";
+  // Points drawn per line at most (a long run's SVG stays small). Past it, each of max_points/2
+  // buckets of consecutive points keeps its lowest and highest (spikes stay visible), and a
+  // smoothed line keeps one point per bucket.
+  size_t max_points = 2000;
 };
 
 // The gnuplot script that draws `figure` as SVG on standard output. The data are inline (`$d0 <<
