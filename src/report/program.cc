@@ -53,7 +53,7 @@ bool drain(int fd, std::string* into, size_t limit) {
       continue;
     }
     if (k < 0 && errno == EINTR) continue;
-    return k < 0;  // 0: end of file; EAGAIN: more later
+    return k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);  // more later; else end of file (or broken)
   }
 }
 
@@ -110,7 +110,11 @@ ProgramResult run_program(const std::vector<std::string>& argv, std::chrono::mil
     if (err_open) pfds[n++] = {err.fd[0], POLLIN, 0};
     const int wait_ms = static_cast<int>(std::min<long long>(left, n > 0 ? 1000 : 10));
     if (::poll(n > 0 ? pfds : nullptr, n, wait_ms) < 0 && errno != EINTR) {
-      throw Error("waiting for `" + join(argv) + "`: poll failed: " + std::strerror(errno));
+      const int err_no = errno;
+      ::kill(pid, SIGKILL);
+      while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+      }
+      throw Error("waiting for `" + join(argv) + "`: poll failed: " + std::strerror(err_no));
     }
     if (out_open) out_open = drain(out.fd[0], &result.out, SIZE_MAX);
     if (err_open) err_open = drain(err.fd[0], &result.err, kMaxErr);

@@ -173,9 +173,14 @@ TEST(ParseRun, ConfigAndSummary) {
   EXPECT_EQ(r.summary->status, "stopped");
   EXPECT_DOUBLE_EQ(r.summary->samples_per_s, 123.5);
 
-  const RunRecords unnamed = parse_run("runs/exp7", R"({"world_size":1})", "", "");
+  // Keys of the wrong type read as absent.
+  const RunRecords unnamed = parse_run("runs/exp7", R"({"world_size":1,"run_name":null,"host":3})", "",
+                                       R"({"status":null,"steps":"many"})");
+  EXPECT_EQ(unnamed.host, "");
+  ASSERT_TRUE(unnamed.summary.has_value());
+  EXPECT_EQ(unnamed.summary->steps, 0);
   EXPECT_EQ(unnamed.name, "exp7");
-  EXPECT_FALSE(unnamed.summary.has_value());
+  EXPECT_FALSE(parse_run("d", R"({"world_size":1})", "", "").summary.has_value());
 
   std::string e = usage_error([] { parse_run("d", R"({"run_name":"a"})", "", ""); });
   EXPECT_NE(e.find("d/config.json: needs \"world_size\""), std::string::npos) << e;

@@ -26,12 +26,18 @@ double number_or_nan(const json& o, const char* key) {
   return it != o.end() && it->is_number() ? it->get<double>() : kNaN;
 }
 
+// A string, or "" when the key is absent or not a string.
+std::string string_or_empty(const json& o, const char* key) {
+  auto it = o.find(key);
+  return it != o.end() && it->is_string() ? it->get<std::string>() : std::string();
+}
+
 std::string where(const std::string& path, size_t line) { return path + ":" + std::to_string(line); }
 
 double required_number(const json& o, const char* key, const std::string& path, size_t line) {
   auto it = o.find(key);
   if (it == o.end() || !it->is_number()) {
-    throw UsageError(where(path, line) + ": a \"" + o.value("type", std::string()) + "\" line needs a numeric \"" +
+    throw UsageError(where(path, line) + ": a \"" + string_or_empty(o, "type") + "\" line needs a numeric \"" +
                      key + "\"" + (it == o.end() ? "" : ", got " + it->dump()));
   }
   return it->get<double>();
@@ -170,15 +176,15 @@ RunRecords parse_run(const std::string& dir, const std::string& config_json, con
                      (ws == config.end() ? "" : ", got " + ws->dump()));
   }
   run.world_size = ws->get<int>();
-  run.name = config.value("run_name", std::string());
+  run.name = string_or_empty(config, "run_name");
   if (run.name.empty()) {
     fs::path p = fs::path(dir).lexically_normal();
     if (!p.has_filename()) p = p.parent_path();
     run.name = p.filename().string();
     if (run.name.empty() || run.name == ".") run.name = fs::absolute(p).lexically_normal().filename().string();
   }
-  if (config.contains("host") && config["host"].is_string()) run.host = config["host"].get<std::string>();
-  if (config.contains("started") && config["started"].is_string()) run.started = config["started"].get<std::string>();
+  run.host = string_or_empty(config, "host");
+  run.started = string_or_empty(config, "started");
   if (config.contains("command") && config["command"].is_array()) {
     for (const auto& a : config["command"]) {
       if (a.is_string()) run.command += (run.command.empty() ? "" : " ") + a.get<std::string>();
@@ -188,8 +194,9 @@ RunRecords parse_run(const std::string& dir, const std::string& config_json, con
   if (!summary_json.empty()) {
     const json s = parse_document(summary_json, base + "summary.json");
     Summary summary;
-    summary.status = s.value("status", std::string());
-    summary.steps = s.value("steps", int64_t{0});
+    summary.status = string_or_empty(s, "status");
+    const double steps = number_or_nan(s, "steps");
+    summary.steps = std::isfinite(steps) ? static_cast<int64_t>(steps) : 0;
     summary.samples_per_s = number_or_nan(s, "samples_per_s");
     summary.train_seconds = number_or_nan(s, "train_seconds");
     summary.wall_seconds = number_or_nan(s, "wall_seconds");
