@@ -1,10 +1,12 @@
-// The `chorus` command: `chorus run ...` (the launcher) and `chorus bench ...`.
+// The `chorus` command: `chorus run ...` (the launcher), `chorus bench ...` and `chorus report ...`.
 //
 // Exit codes: 0 on success and for --help/--version, 2 for a usage error (bad option or value),
 // else what the subcommand returns (chorus run: 1 when the job failed, 128+N when stopped by
 // signal N).
 #include <CLI/CLI.hpp>
 
+#include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <exception>
 #include <memory>
@@ -15,6 +17,7 @@
 #include "chorus/comm/error.h"
 #include "chorus/config.h"
 #include "chorus/launch/launcher.h"
+#include "chorus/report/report.h"
 
 namespace {
 
@@ -109,6 +112,19 @@ int main(int argc, char** argv) {
   CLI::App* b = app.add_subcommand("bench", "measure a collective on W local ranks");
   chorus::tools::add_bench_options(*b, bench);
 
+  chorus::report::ReportOptions report;
+  double gnuplot_timeout_s = 30;
+  CLI::App* rep = app.add_subcommand("report", "an HTML page of run directories' metrics (docs/report.md)");
+  rep->add_option("RUN_DIR", report.run_dirs, "run directories (config.json, metrics.jsonl; docs/run-records.md)")
+      ->required();
+  rep->add_option("-o,--out", report.out_dir,
+                  "output directory for index.html and figures/ (default: RUN_DIR/report for one run, "
+                  "./chorus-report for several)");
+  rep->add_option("--gnuplot", report.gnuplot, "the gnuplot program (Debian: gnuplot-nox)")->capture_default_str();
+  rep->add_option("--gnuplot-timeout", gnuplot_timeout_s, "seconds gnuplot may take per figure")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+
   std::vector<std::string> program;
   std::vector<std::string> args = split_program(std::vector<std::string>(argv, argv + argc), *run, &program);
   std::vector<char*> cargs;
@@ -143,6 +159,18 @@ int main(int argc, char** argv) {
       return chorus::launch::run(launch);
     }
     if (b->parsed()) return chorus::tools::run_bench(bench);
+    if (rep->parsed()) {
+      report.gnuplot_timeout = std::chrono::milliseconds(static_cast<int64_t>(gnuplot_timeout_s * 1000));
+      try {
+        std::printf("%s\n", chorus::report::write_report(report).c_str());
+      } catch (const chorus::UsageError&) {
+        throw;
+      } catch (const chorus::Error& e) {
+        std::fprintf(stderr, "%s\n", e.what());  // already says "chorus report: ..."
+        return 1;
+      }
+      return 0;
+    }
   } catch (const chorus::UsageError& e) {
     std::fprintf(stderr, "%s\n", e.what());
     return kUsageExit;

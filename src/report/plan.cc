@@ -1,0 +1,419 @@
+// Planning the page: runs to figures (series of points), figures to gnuplot scripts, runs to the
+// table's rows. Pure: no files, no processes.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <limits>
+#include <set>
+#include <sstream>
+
+#include "chorus/report/report.h"
+#include "palette.h"
+
+namespace chorus::report {
+namespace {
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+// Centred moving-mean window for n noisy points: about 1/40 of the run, at most 50 steps.
+int smooth_window(size_t n) {
+  if (n < 40) return 1;
+  return static_cast<int>(std::min<size_t>(50, n / 40)) | 1;  // odd, so the window is centred
+}
+
+std::vector<double> moving_mean(const std::vector<double>& y, int window) {
+  std::vector<double> out(y.size());
+  const long half = window / 2;
+  const long n = static_cast<long>(y.size());
+  for (long i = 0; i < n; ++i) {
+    const long lo = std::max(0L, i - half), hi = std::min(n - 1, i + half);
+    double sum = 0;
+    for (long k = lo; k <= hi; ++k) sum += y[static_cast<size_t>(k)];
+    out[static_cast<size_t>(i)] = sum / static_cast<double>(hi - lo + 1);
+  }
+  return out;
+}
+
+// Bar labels side by side when they fit under their bars (about 7 px a character at 11 px), else
+// slanted, steeper when the bars are narrow.
+std::string bar_label_rotation(const std::vector<std::string>& labels, const FigureStyle& style) {
+  const double slot = 0.8 * style.width / static_cast<double>(std::max<size_t>(1, labels.size()));
+  size_t longest = 0;
+  for (const auto& l : labels) longest = std::max(longest, l.size());
+  if (static_cast<double>(longest) * 7 <= slot) return "";
+  return slot >= 60 ? " rotate by 25 right" : " rotate by 60 right";
+}
+
+// The indices of y's points to draw, at most about max_points of them: all when they fit; else, per
+// bucket of consecutive points, the lowest and highest in index order (`envelope`) or the first,
+// and always the last point.
+std::vector<size_t> drawn_points(const std::vector<double>& y, size_t max_points, bool envelope) {
+  std::vector<size_t> out;
+  const size_t n = y.size();
+  if (n <= max_points || max_points < 4) {
+    for (size_t k = 0; k < n; ++k) out.push_back(k);
+    return out;
+  }
+  const size_t buckets = envelope ? max_points / 2 : max_points - 1;
+  const size_t width = (n + buckets - 1) / buckets;
+  for (size_t lo = 0; lo < n; lo += width) {
+    const size_t hi = std::min(n, lo + width);
+    if (!envelope) {
+      out.push_back(lo);
+      continue;
+    }
+    size_t min_k = lo, max_k = lo;
+    for (size_t k = lo; k < hi; ++k) {
+      if (y[k] < y[min_k]) min_k = k;
+      if (y[k] > y[max_k]) max_k = k;
+    }
+    out.push_back(std::min(min_k, max_k));
+    if (max_k != min_k) out.push_back(std::max(min_k, max_k));
+  }
+  if (out.back() != n - 1) out.push_back(n - 1);
+  return out;
+}
+
+double mean_of(const std::vector<StepRecord>& steps, double StepRecord::*field) {
+  double sum = 0;
+  size_t n = 0;
+  for (const auto& s : steps) {
+    const double v = s.*field;
+    if (std::isfinite(v)) {
+      sum += v;
+      ++n;
+    }
+  }
+  return n == 0 ? kNaN : sum / static_cast<double>(n);
+}
+
+std::vector<std::pair<std::string, double>> phase_means(const RunRecords& run) {
+  const auto& s = run.metrics.steps;
+  auto or0 = [](double v) { return std::isfinite(v) ? v : 0.0; };
+  const double data = or0(mean_of(s, &StepRecord::data_ms));
+  const double forward = or0(mean_of(s, &StepRecord::forward_ms));
+  const double backward = or0(mean_of(s, &StepRecord::backward_ms));
+  const double wait = or0(mean_of(s, &StepRecord::comm_wait_ms));
+  const double optimizer = or0(mean_of(s, &StepRecord::optimizer_ms));
+  const double step = or0(mean_of(s, &StepRecord::step_ms));
+  const double own_backward = std::max(0.0, backward - wait);
+  const double other = std::max(0.0, step - (data + forward + backward + optimizer));
+  return {{"data", data},   {"forward", forward},     {"backward", own_backward},
+          {"comm wait", wait}, {"optimizer", optimizer}, {"other", other}};
+}
+
+// gnuplot single-quoted string: no escapes but '' for a quote.
+std::string quote(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) {
+    if (c == '\'') out += "''";
+    else if (c == '\n' || c == '\r') out += ' ';
+    else out += c;
+  }
+  return out + "'";
+}
+
+std::string num(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.9g", v);
+  return buf;
+}
+
+std::string figure_id(const std::string& key) {
+  std::string id;
+  for (char c : key) id += std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '-' ? c : '_';
+  return id;
+}
+
+// A gnuplot colour: '#RRGGBB', or '#AARRGGBB' with AA the transparency (00 opaque).
+std::string color(const char* rgb, const char* alpha = "") { return std::string("'#") + alpha + rgb + "'"; }
+
+// One record's value of a series: its step and time say where it goes on either axis.
+struct Point {
+  int64_t step;
+  double time;
+  double value;
+};
+
+// On a wall-time axis, a series' line breaks before its first point after each resume: the time
+// between is the restart and the redone work, not training.
+class ResumeBreaks {
+ public:
+  ResumeBreaks(const RunRecords& run, bool against_time) {
+    if (!against_time) return;
+    for (const auto& e : run.metrics.events) {
+      if (e.event == "resume") resumed_at_.push_back(e.step);
+    }
+  }
+  // Call before appending the point of `step` to `s`.
+  void add(int64_t step, Series* s) {
+    for (int64_t r : resumed_at_) {
+      if (previous_ >= 0 && previous_ <= r && step > r) s->breaks.push_back(s->x.size());
+    }
+    previous_ = step;
+  }
+
+ private:
+  std::vector<int64_t> resumed_at_;
+  int64_t previous_ = -1;
+};
+
+}  // namespace
+
+std::vector<Figure> plan_figures(const std::vector<RunRecords>& runs) {
+  const std::vector<std::string> labels = run_labels(runs);
+  double max_time = 0;
+  for (const auto& r : runs) {
+    if (!r.metrics.steps.empty()) max_time = std::max(max_time, r.metrics.steps.back().time);
+  }
+  const bool minutes = max_time > 20 * 60;
+  const double time_scale = minutes ? 1.0 / 60 : 1.0;
+  const std::string time_label = minutes ? "wall time (min)" : "wall time (s)";
+
+  std::vector<Figure> figures;
+  auto add = [&](Figure f) {
+    if (!f.series.empty()) figures.push_back(std::move(f));
+  };
+  // One figure against step or wall time, a series per run that has points (`points` gives them).
+  using Points = std::vector<Point>;
+  auto line_figure = [&](const std::string& id, const std::string& title, const std::string& ylabel,
+                         Figure::Kind kind, bool against_time, const std::function<Points(const RunRecords&)>& points) {
+    Figure f;
+    f.id = id;
+    f.title = title;
+    f.xlabel = against_time ? time_label : "step";
+    f.ylabel = ylabel;
+    f.kind = kind;
+    for (size_t i = 0; i < runs.size(); ++i) {
+      Series s;
+      s.label = labels[i];
+      s.color = static_cast<int>(i);
+      ResumeBreaks breaks(runs[i], against_time);
+      for (const Point& p : points(runs[i])) {
+        if (!std::isfinite(p.value)) continue;
+        breaks.add(p.step, &s);
+        s.x.push_back(against_time ? p.time * time_scale : static_cast<double>(p.step));
+        s.y.push_back(p.value);
+      }
+      if (kind == Figure::Kind::kLines) s.smooth = smooth_window(s.y.size());
+      if (!s.x.empty()) f.series.push_back(std::move(s));
+    }
+    add(std::move(f));
+  };
+  auto step_field = [](double StepRecord::*field) {
+    return [field](const RunRecords& r) {
+      Points out;
+      for (const auto& st : r.metrics.steps) out.push_back({st.step, st.time, st.*field});
+      return out;
+    };
+  };
+  auto scalar = [](const std::string& key) {
+    return [key](const RunRecords& r) {
+      Points out;
+      for (const auto& rec : r.metrics.scalars) {
+        auto it = rec.values.find(key);
+        if (it != rec.values.end()) out.push_back({rec.step, rec.time, it->second});
+      }
+      return out;
+    };
+  };
+  const auto lines = Figure::Kind::kLines;
+  line_figure("loss_vs_step", "Loss against step", "loss", lines, false, step_field(&StepRecord::loss));
+  line_figure("loss_vs_time", "Loss against wall time", "loss", lines, true, step_field(&StepRecord::loss));
+
+  // User scalars, in the order they first appear.
+  std::vector<std::string> keys;
+  std::set<std::string> seen;
+  for (const auto& r : runs) {
+    for (const auto& rec : r.metrics.scalars) {
+      for (const auto& kv : rec.values) {
+        if (seen.insert(kv.first).second) keys.push_back(kv.first);
+      }
+    }
+  }
+  std::set<std::string> ids = {"loss_vs_step", "loss_vs_time", "throughput_vs_step", "step_breakdown"};
+  for (const auto& key : keys) {
+    std::string stem = figure_id(key);
+    while (ids.count(stem + "_vs_step")) stem += "_";
+    ids.insert(stem + "_vs_step");
+    line_figure(stem + "_vs_step", key + " against step", key, Figure::Kind::kPoints, false, scalar(key));
+    line_figure(stem + "_vs_time", key + " against wall time", key, Figure::Kind::kPoints, true, scalar(key));
+  }
+
+  line_figure("throughput_vs_step", "Throughput against step", "samples/s (all workers)", lines, false,
+              step_field(&StepRecord::samples_per_s));
+
+  Figure bars;
+  bars.id = "step_breakdown";
+  bars.title = "Step time by phase (mean over steps)";
+  bars.ylabel = "ms per step";
+  bars.kind = Figure::Kind::kStackedBars;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    if (runs[i].metrics.steps.empty()) continue;
+    bars.categories.push_back(labels[i]);
+    const auto phases = phase_means(runs[i]);
+    if (bars.series.empty()) {
+      for (size_t p = 0; p < phases.size(); ++p) {
+        Series s;
+        s.label = phases[p].first;
+        s.color = static_cast<int>(p);
+        bars.series.push_back(std::move(s));
+      }
+    }
+    for (size_t p = 0; p < phases.size(); ++p) {
+      bars.series[p].x.push_back(static_cast<double>(bars.categories.size() - 1));
+      bars.series[p].y.push_back(phases[p].second);
+    }
+  }
+  add(std::move(bars));
+  return figures;
+}
+
+std::string gnuplot_script(const Figure& f, const FigureStyle& style) {
+  // Said in the title when some series is smoothed, so that nobody reads the bold line as raw values.
+  const bool any_smooth = f.kind == Figure::Kind::kLines &&
+                          std::any_of(f.series.begin(), f.series.end(), [](const Series& s) { return s.smooth > 1; });
+  const std::string title = any_smooth ? f.title + " (faint: each step; bold: centred moving mean)" : f.title;
+  std::ostringstream g;
+  g << "# " << f.title << ": drawn by chorus report (gnuplot 5, svg terminal)\n"
+    << "set terminal svg size " << style.width << "," << style.height << " fixed noenhanced font "
+    << quote(style.font) << " background '#ffffff'\n"
+    << "set encoding utf8\n"
+    << "set title " << quote(title) << " font ',12'\n"
+    << "set xlabel " << quote(f.xlabel) << "\n"
+    << "set ylabel " << quote(f.ylabel) << "\n"
+    << "set border 3 lc rgb '#555555'\n"
+    << "set tics nomirror\n"
+    << "set grid lt 1 lc rgb '#e6e6e6' lw 1\n"
+    << "set key below horizontal noenhanced height 1\n";
+  if (f.series.empty()) {
+    g << "set xrange [0:1]\nset yrange [0:1]\nunset tics\n"
+      << "set label 'no data' at graph 0.5, 0.5 center\nplot -1 notitle\n";
+    return g.str();
+  }
+
+  if (f.kind == Figure::Kind::kStackedBars) {
+    g << "set style data histograms\n"
+      << "set style histogram rowstacked\n"
+      << "set style fill solid 0.9 border lc rgb '#ffffff'\n"
+      << "set boxwidth 0.55 relative\n"
+      << "set yrange [0:*]\n"
+      << "set xtics scale 0" << bar_label_rotation(f.categories, style) << "\n"
+      << "set grid noxtics ytics\n"
+      << "set key below horizontal\n"
+      << "$bars << EOD\n";
+    for (size_t c = 0; c < f.categories.size(); ++c) {
+      std::string label = f.categories[c];
+      std::replace(label.begin(), label.end(), '"', '\'');
+      g << '"' << label << '"';
+      double total = 0;
+      for (const auto& s : f.series) {
+        const double v = c < s.y.size() && std::isfinite(s.y[c]) ? s.y[c] : 0.0;
+        total += v;
+        g << ' ' << num(v);
+      }
+      g << ' ' << num(total) << "\n";
+    }
+    g << "EOD\n"
+      << "set offsets 0, 0, graph 0.08, 0\n"
+      << "plot ";
+    for (size_t p = 0; p < f.series.size(); ++p) {
+      g << (p ? ", \\\n     " : "") << "$bars using " << p + 2 << (p == 0 ? ":xtic(1)" : "") << " title "
+        << quote(f.series[p].label) << " lc rgb "
+        << color(detail::phase_color(static_cast<size_t>(f.series[p].color)));
+    }
+    const size_t total_col = f.series.size() + 2;
+    g << ", \\\n     $bars using 0:" << total_col << ":(sprintf('%.1f ms', $" << total_col
+      << ")) with labels offset 0, 0.8 notitle\n";
+    return g.str();
+  }
+
+  // A blank line in a data block breaks gnuplot's line there: between two drawn points that a
+  // break lies between.
+  auto block = [&](const std::string& name, const Series& s, const std::vector<double>& y,
+                   const std::vector<size_t>& drawn) {
+    g << name << " << EOD\n";
+    size_t next_break = 0;
+    for (size_t n = 0; n < drawn.size(); ++n) {
+      const size_t k = drawn[n];
+      if (n > 0) {
+        while (next_break < s.breaks.size() && s.breaks[next_break] <= drawn[n - 1]) ++next_break;
+        if (next_break < s.breaks.size() && s.breaks[next_break] <= k) g << "\n";
+      }
+      g << num(s.x[k]) << ' ' << num(y[k]) << "\n";
+    }
+    g << "EOD\n";
+  };
+  for (size_t i = 0; i < f.series.size(); ++i) {
+    const Series& s = f.series[i];
+    block("$d" + std::to_string(i), s, s.y, drawn_points(s.y, style.max_points, /*envelope=*/true));
+    if (s.smooth > 1) {
+      const std::vector<double> mean = moving_mean(s.y, s.smooth);
+      block("$s" + std::to_string(i), s, mean, drawn_points(mean, style.max_points, /*envelope=*/false));
+    }
+  }
+  g << "plot ";
+  for (size_t i = 0; i < f.series.size(); ++i) {
+    const Series& s = f.series[i];
+    g << (i ? ", \\\n     " : "");
+    const bool points = f.kind == Figure::Kind::kPoints || s.x.size() < 3;
+    const std::string style_spec = points ? "with linespoints lw 2 pt 7 ps 0.6" : "with lines lw 2";
+    const char* rgb = detail::run_color(static_cast<size_t>(s.color));
+    if (s.smooth > 1) {
+      g << "$d" << i << " using 1:2 with lines lw 1 lc rgb " << color(rgb, "B0") << " notitle, \\\n     "
+        << "$s" << i << " using 1:2 " << style_spec << " lc rgb " << color(rgb) << " title " << quote(s.label);
+    } else {
+      g << "$d" << i << " using 1:2 " << style_spec << " lc rgb " << color(rgb) << " title " << quote(s.label);
+    }
+  }
+  g << "\n";
+  return g.str();
+}
+
+std::vector<RunRow> summarize_runs(const std::vector<RunRecords>& runs) {
+  const std::vector<std::string> labels = run_labels(runs);
+  std::vector<RunRow> rows;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const RunRecords& r = runs[i];
+    const auto& steps = r.metrics.steps;
+    RunRow row;
+    row.label = labels[i];
+    row.dir = r.dir;
+    row.world_size = r.world_size;
+    row.steps = steps.empty() ? 0 : steps.back().step;
+    if (r.summary && std::isfinite(r.summary->samples_per_s) && r.summary->samples_per_s > 0) {
+      row.samples_per_s = r.summary->samples_per_s;
+    } else {
+      double samples = 0, ms = 0;
+      for (const auto& s : steps) {
+        if (std::isfinite(s.samples) && std::isfinite(s.step_ms)) {
+          samples += s.samples;
+          ms += s.step_ms;
+        }
+      }
+      row.samples_per_s = ms > 0 ? samples / (ms / 1000) : 0;
+    }
+    row.final_loss = steps.empty() ? kNaN : steps.back().loss;
+    for (const auto& rec : r.metrics.scalars) {
+      for (const auto& kv : rec.values) row.final_scalars[kv.first] = kv.second;
+    }
+    row.status = r.summary && !r.summary->status.empty() ? r.summary->status : "no summary (running or killed)";
+    double last_time = steps.empty() ? 0 : steps.back().time;
+    for (const auto& e : r.metrics.events) last_time = std::max(last_time, e.time);
+    row.wall_seconds = r.summary && std::isfinite(r.summary->wall_seconds) ? r.summary->wall_seconds : last_time;
+    for (const auto& e : r.metrics.events) row.resumes += e.event == "resume";
+    row.phase_ms_mean = phase_means(r);
+    rows.push_back(std::move(row));
+  }
+  // Speed-up against the first run of the smallest world size.
+  const RunRow* base = nullptr;
+  for (const auto& row : rows) {
+    if (base == nullptr || row.world_size < base->world_size) base = &row;
+  }
+  const double base_rate = base ? base->samples_per_s : 0;
+  for (auto& row : rows) row.speedup = base_rate > 0 ? row.samples_per_s / base_rate : kNaN;
+  return rows;
+}
+
+}  // namespace chorus::report
