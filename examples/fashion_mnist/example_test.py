@@ -17,6 +17,8 @@ its records land in runs/<name>/ there.
 5. bf16 autocast: the loss curve (means over 20 steps) stays within tolerance of fp32; the speed
    of both is printed.
 6. On a terminal (a pty) rank 0 draws a bar rewritten in place; with TERM=dumb it prints lines.
+7. `chorus report` of the job at 1 and 2 workers, checked in headless chromium by
+   tests/report/report_page_test.py (no console errors, every figure has every run's data).
 Needs Debian's dataset-fashion-mnist (or FASHION_MNIST_DATA=DIR). Only the standard library.
 """
 import json
@@ -129,6 +131,8 @@ def run_in_pty(cmd, cwd, env):
 
 def main():
     chorus, example = map(os.path.abspath, sys.argv[1:3])
+    page_test = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "report",
+                             "report_page_test.py")
     with tempfile.TemporaryDirectory(prefix="fashion-mnist-example-") as cwd:
         runs = os.path.join(cwd, "runs")
 
@@ -220,6 +224,15 @@ def main():
             if not in_place:
                 check("step 20/20" in out, "TERM=dumb: no plain progress line")
         print("PASS: a progress bar on a terminal, plain lines with TERM=dumb", flush=True)
+
+        # 7. The report of the same job at 1 and 2 workers, in a real browser.
+        run([chorus, "run", "-n", "1", example, "--run-name", "one-worker", "--max-steps", str(STEPS),
+             "--threads", "1"] + (["--data", os.environ["FASHION_MNIST_DATA"]] if "FASHION_MNIST_DATA" in os.environ
+                                  else []), cwd)
+        shot = os.environ.get("CHORUS_REPORT_SCREENSHOT", os.path.join(cwd, "report.png"))
+        run(["/usr/bin/python3", page_test, "--chorus", chorus, "--screenshot", shot,
+             os.path.join(runs, "one-worker"), plain], cwd)
+        print("PASS: chorus report of real runs at 1 and 2 workers checked in chromium", flush=True)
     print("PASS")
 
 
