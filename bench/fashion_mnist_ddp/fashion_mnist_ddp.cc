@@ -19,7 +19,6 @@
 // epoch, and checkpoints. Rank 0 prints the progress and writes --metrics-json. Users: these
 // benchmark knobs are no part of the example's interface; start from examples/fashion_mnist.
 #include <CLI/CLI.hpp>
-#include <c10/util/Exception.h>
 #include <torch/nn/functional/loss.h>
 #include <torch/optim/sgd.h>
 #include <torch/utils.h>
@@ -42,11 +41,11 @@
 
 #include "chorus/comm/error.h"
 #include "chorus/comm/signals.h"
-#include "chorus/comm/spawn.h"
 #include "chorus/data/evaluation.h"
 #include "chorus/data/sampler.h"
 #include "chorus/ddp/ddp.h"
 #include "chorus/torch/distributed.h"
+#include "chorus/train/accelerator.h"
 #include "chorus/train/checkpoint.h"
 #include "idx.h"
 #include "models.h"
@@ -56,24 +55,6 @@ namespace {
 
 namespace dist = chorus::dist;
 using Clock = std::chrono::steady_clock;
-
-// This process's rank when a launcher started it as one rank of a job, else nullptr: chorus run
-// and torchrun set RANK, mpirun sets OMPI_COMM_WORLD_RANK, srun sets SLURM_PROCID in a job step
-// (an sbatch script has SLURM_PROCID too, but no SLURM_STEP_ID). A one-task mpirun or srun step
-// (an interactive `srun --pty bash`) is no job of ranks: --nproc still starts ranks there.
-const char* launched_rank() {
-  auto var = [](const char* name) -> const char* {
-    const char* v = std::getenv(name);
-    return v != nullptr && v[0] != '\0' ? v : nullptr;
-  };
-  auto several = [](const char* n) { return n != nullptr && std::strcmp(n, "1") != 0; };
-  if (const char* rank = var("RANK")) return rank;
-  if (several(var("OMPI_COMM_WORLD_SIZE"))) return var("OMPI_COMM_WORLD_RANK");
-  const bool step = var("SLURM_STEP_ID") != nullptr || var("SLURM_STEPID") != nullptr;
-  const char* tasks = var("SLURM_STEP_NUM_TASKS") != nullptr ? var("SLURM_STEP_NUM_TASKS") : var("SLURM_NTASKS");
-  if (step && several(tasks)) return var("SLURM_PROCID");
-  return nullptr;
-}
 
 struct Config {
   int nproc = 0;
@@ -522,17 +503,6 @@ CLI::Validator finite_in(double min, double max) {
       "FINITE in [" + CLI::detail::to_string(min) + ", " + CLI::detail::to_string(max) + "]");
 }
 
-// A rank's error, on one line: libtorch's own (c10::Error) carry a backtrace of ~20 lines in
-// what(), which says nothing to a user. Recorded for chorus run's report first.
-int report_error(const char* who, const std::exception& e) {
-  const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
-  std::string message = c10_error != nullptr ? c10_error->what_without_backtrace() : e.what();
-  while (!message.empty() && message.back() == '\n') message.pop_back();
-  chorus::record_fatal_error(e, message);
-  std::fprintf(stderr, "fashion_mnist_ddp: %s: error: %s\n", who, message.c_str());
-  return dynamic_cast<const chorus::UsageError*>(&e) != nullptr ? 2 : 1;
-}
-
 }  // namespace
 }  // namespace fashion_mnist
 
@@ -602,30 +572,5 @@ int main(int argc, char** argv) {
     return rc == 0 ? 0 : 2;  // --help, or a usage error
   }
 
-  if (const char* rank = fashion_mnist::launched_rank()) {  // one rank of a job started by a launcher
-    if (cfg.nproc > 0) {
-      std::fprintf(stderr, "fashion_mnist_ddp: error: this process is rank %s of a job started by a launcher (chorus run, "
-                           "torchrun, srun or mpirun), so --nproc cannot start ranks; drop --nproc\n", rank);
-      return 2;
-    }
-    try {
-      fashion_mnist::run_rank(cfg);
-    } catch (const std::exception& e) {
-      return fashion_mnist::report_error(("rank " + std::string(rank)).c_str(), e);
-    }
-    return 0;
-  }
-  // Start the ranks here. The parent only waits: it must not touch libtorch before forking.
-  try {
-    chorus::spawn(cfg.nproc > 0 ? cfg.nproc : 1, [&](int, int) {
-      try {
-        fashion_mnist::run_rank(cfg);
-      } catch (const c10::Error& e) {
-        throw std::runtime_error(e.what_without_backtrace());  // spawn reports what(): one line
-      }
-    });
-  } catch (const std::exception& e) {
-    return fashion_mnist::report_error("job", e);
-  }
-  return 0;
+  return chorus::train::run_job("fashion_mnist_ddp", cfg.nproc, [&] { fashion_mnist::run_rank(cfg); });
 }

@@ -5,6 +5,8 @@ usage: example_test.py PATH/TO/chorus PATH/TO/fashion_mnist
 
 Every run is `chorus run -n 2 fashion_mnist ... --threads 1` in a scratch working directory, so
 its records land in runs/<name>/ there.
+0. Bad command lines exit 2 and bad values (fp16 on the CPU, a missing data directory, a run name
+   with a slash) fail before training with a message naming the fix.
 1. An uninterrupted run of N steps: exit 0, plain progress lines (no "\\r" or escape codes when
    stdout is a pipe), the exact test accuracy of all 10000 items, the run directory's files.
 2. The same job under `chorus run --max-restarts 1`, rank 1 killed (SIGKILL) after its state was
@@ -135,6 +137,21 @@ def main():
                              "report_page_test.py")
     with tempfile.TemporaryDirectory(prefix="fashion-mnist-example-") as cwd:
         runs = os.path.join(cwd, "runs")
+
+        # 0. Bad input.
+        for args, rc, words in ((["--help"], 0, ["--run-name", "--mixed-precision"]),
+                                (["--epochs", "0"], 2, ["--epochs"]),
+                                (["--resume", "--overwrite"], 2, ["excludes"]),
+                                (["--nproc", "1", "--mixed-precision", "fp16"], 1, ["kBF16"]),
+                                (["--nproc", "1", "--data", os.path.join(cwd, "none")], 1, ["dataset-fashion-mnist"]),
+                                (["--nproc", "1", "--run-name", "a/b"], 1, ["plain directory name"])):
+            p = subprocess.run([example, *args], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               timeout=60)
+            check(p.returncode == rc and all(w in p.stdout for w in words),
+                  f"{args}: exit {p.returncode} (expected {rc}), output lacks {words}:\n{p.stdout}")
+            check(args == ["--help"] or "Traceback" not in p.stdout and "frame #" not in p.stdout,
+                  f"{args}: a backtrace in the message")
+        print("PASS: bad input gets exit codes and messages that name the fix", flush=True)
 
         # 1. Uninterrupted.
         out = run(command(chorus, example, "plain"), cwd)

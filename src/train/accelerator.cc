@@ -282,9 +282,7 @@ Accelerator::Accelerator(AcceleratorOptions options)
   state_dir_ = run_dir_ + "/state";
 
   // The resume policy, the same on every rank (prepare_checkpoint_dir answers rank 0's view).
-  CheckpointOptions co;
-  co.group = group_;
-  co.fsync = options_.fsync;
+  const CheckpointOptions co = checkpoint_options();
   auto existing = prepare_checkpoint_dir(state_dir_, co);
   if (existing) {
     const std::string where = " (step " + std::to_string(existing->step) + ", epoch " +
@@ -345,6 +343,12 @@ Accelerator::Accelerator(AcceleratorOptions options)
 }
 
 Accelerator::~Accelerator() {
+  if (signal_work_) {  // training was not ended: finish the outstanding check, ignoring its outcome
+    try {
+      signal_work_->wait();
+    } catch (const std::exception&) {
+    }
+  }
   records_->progress.close();
   records_->recorder.flush();
 }
@@ -682,7 +686,7 @@ void Accelerator::finish_step() {
     r.recorder.log_line(line);
   }
   if (global_step_ % 25 == 0) flush_aggregate();
-  if (const int sig = agree_on_signal()) {
+  if (const int sig = poll_signal()) {
     stop(sig);
   } else if (options_.checkpoint_every > 0 && global_step_ % options_.checkpoint_every == 0) {
     const auto save_start = Clock::now();
@@ -737,9 +741,27 @@ void Accelerator::flush_aggregate() {
   r.recorder.flush();
 }
 
+int Accelerator::finish_signal_check() {
+  if (!signal_work_) return 0;
+  auto work = std::move(signal_work_);
+  work->wait();
+  return static_cast<int>(signal_value_.item<int64_t>());
+}
+
+int Accelerator::poll_signal() {
+  if (world_size_ == 1) return pending_signal();
+  // The check started at the previous boundary has long finished (a step ran since), so waiting
+  // for it costs nothing; the ranks agree one step after the signal arrived.
+  if (const int agreed = finish_signal_check()) return agreed;
+  signal_value_ = at::tensor({static_cast<int64_t>(pending_signal())}, at::kLong);
+  signal_work_ = dist::all_reduce(signal_value_, ReduceOp::kMax, group_, /*async_op=*/true);
+  return 0;
+}
+
 int Accelerator::agree_on_signal() {
   int64_t sig = pending_signal();
   if (world_size_ > 1) {
+    if (const int agreed = finish_signal_check()) return agreed;
     at::Tensor t = at::tensor({sig}, at::kLong);
     dist::all_reduce(t, ReduceOp::kMax, group_);
     sig = t.item<int64_t>();
@@ -768,6 +790,9 @@ void Accelerator::end_training() {
   if (ended_) return;
   ended_ = true;
   settle_step();
+  if (const int sig = finish_signal_check(); sig != 0 && !stopped_) {
+    notice(std::string("a ") + signal_name(sig) + " arrived as training ended; the state is saved below");
+  }
   if (options_.checkpoint_each_epoch && global_step_ > 0 && saved_step_ != global_step_) save_state();
   flush_aggregate();
   auto& r = *records_;
@@ -823,19 +848,28 @@ void Accelerator::end_training() {
 // ---- State ----
 
 namespace {
-// The module save_checkpoint gets: the one prepared model, or a holder of several under "0", "1"...
-std::shared_ptr<torch::nn::Module> state_module(const std::vector<std::shared_ptr<torch::nn::Module>>& models) {
-  if (models.size() == 1) return models.front();
-  auto holder = std::make_shared<torch::nn::Module>("PreparedModels");
-  for (size_t i = 0; i < models.size(); ++i) holder->register_module(std::to_string(i), models[i]);
-  return holder;
-}
 
 int64_t extra_int(const CheckpointState& st, const std::string& key, int64_t fallback) {
   auto it = st.extra.find(key);
   return it == st.extra.end() ? fallback : std::stoll(it->second);
 }
 }  // namespace
+
+// The module save_checkpoint gets: the one prepared model, or a holder of several under "0", "1"...
+std::shared_ptr<torch::nn::Module> Accelerator::state_module(const std::vector<PreparedRecord>& models) {
+  if (models.size() == 1) return models.front().module;
+  auto holder = std::make_shared<torch::nn::Module>("PreparedModels");
+  for (size_t i = 0; i < models.size(); ++i) holder->register_module(std::to_string(i), models[i].module);
+  return holder;
+}
+
+CheckpointOptions Accelerator::checkpoint_options() const {
+  CheckpointOptions co;
+  co.group = group_;
+  co.keep_last = options_.keep_last;
+  co.fsync = options_.fsync;
+  return co;
+}
 
 void Accelerator::register_for_checkpointing(const std::string& name, std::function<std::string()> save,
                                              std::function<void(const std::string&)> load) {
@@ -887,14 +921,8 @@ std::string Accelerator::save_state() {
   }
   for (const auto& u : user_objects_) st.extra["user." + u.name] = to_hex(u.save());
 
-  std::vector<std::shared_ptr<torch::nn::Module>> modules;
-  for (const auto& m : models_) modules.push_back(m.module);
-  auto module = state_module(modules);
-  CheckpointOptions co;
-  co.group = group_;
-  co.keep_last = options_.keep_last;
-  co.fsync = options_.fsync;
-  save_checkpoint(state_dir_, *module, optimizers_.empty() ? nullptr : optimizers_.front(), st, co);
+  auto module = state_module(models_);
+  save_checkpoint(state_dir_, *module, optimizers_.empty() ? nullptr : optimizers_.front(), st, checkpoint_options());
   saved_step_ = global_step_;
   const std::string path = latest_checkpoint(state_dir_).value_or(state_dir_);
   records_->recorder.line({{"type", "event"}, {"event", "save"}, {"step", global_step_}, {"epoch", st.epoch},
@@ -912,13 +940,8 @@ bool Accelerator::load_state(const std::string& dir) {
                      std::to_string(optimizers_.size()) + " are prepared");
   }
   const std::string from = dir.empty() ? state_dir_ : dir;
-  std::vector<std::shared_ptr<torch::nn::Module>> modules;
-  for (const auto& m : models_) modules.push_back(m.module);
-  auto module = state_module(modules);
-  CheckpointOptions co;
-  co.group = group_;
-  co.fsync = options_.fsync;
-  auto st = load_checkpoint(from, *module, optimizers_.empty() ? nullptr : optimizers_.front(), co);
+  auto module = state_module(models_);
+  auto st = load_checkpoint(from, *module, optimizers_.empty() ? nullptr : optimizers_.front(), checkpoint_options());
   if (!st) {
     notice("no saved state in " + from + ": starting afresh");
     return false;
@@ -1028,11 +1051,11 @@ void set_num_threads(int threads) {
 
 int run_job(const char* program, int nproc, const std::function<void()>& train) {
   if (const char* rank = launched_rank()) {
-    if (nproc > 1) {
+    if (nproc > 0) {
       std::fprintf(stderr,
                    "%s: error: this process is rank %s of a job started by a launcher (chorus run, torchrun, srun or "
-                   "mpirun), so it cannot start %d ranks itself; drop --nproc\n",
-                   program, rank, nproc);
+                   "mpirun), so it cannot start ranks itself; drop --nproc\n",
+                   program, rank);
       return 2;
     }
     try {

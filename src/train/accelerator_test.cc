@@ -675,10 +675,11 @@ TEST(Signals, SigusrOnOneRankSavesStateOnAllAndExitsZero) {
   const std::string dir = RunRoot::path() + "/" + test_options().run_name;
   auto latest = latest_checkpoint(dir + "/state");
   ASSERT_TRUE(latest.has_value()) << "no state saved in " << dir;
-  EXPECT_EQ(read_json(*latest + "/state.json")["step"].get<int64_t>(), 5);
+  // Raised after step 5; the ranks agree at the next boundary (the check is one step behind).
+  EXPECT_EQ(read_json(*latest + "/state.json")["step"].get<int64_t>(), 6);
   auto summary = read_json(dir + "/summary.json");
   EXPECT_EQ(summary["status"], "stopped");
-  EXPECT_EQ(summary["steps"].get<int64_t>(), 5);
+  EXPECT_EQ(summary["steps"].get<int64_t>(), 6);
   auto events = of_type(read_jsonl(dir + "/metrics/rank-1.jsonl"), "event");
   ASSERT_FALSE(events.empty());
   EXPECT_EQ(events.back()["event"], "stop");
@@ -693,6 +694,7 @@ TEST(Signals, WithoutExitTheLoopsEndAndStoppedIsTrue) {
       if (a.global_step() == 3 && rank == 0) ::raise(SIGTERM);
     });
     chorus::clear_pending_signal();
+    // Raised after step 3, the last of epoch 0: the epoch's end agrees at once (blocking check).
     require(r.stopped && r.trace.size() == 3, "stopped " + std::to_string(r.stopped) + " after " +
                                                   std::to_string(r.trace.size()) + " steps");
   }), "");

@@ -43,8 +43,9 @@
 // - Step boundaries: a step ends when the loop next asks a prepared training loader for a batch
 //   (or at the end of an epochs() iteration, save_state, end_training). There the Accelerator
 //   writes the step's records, shows progress, saves state every checkpoint_every steps and, with
-//   more than one rank, agrees on stop signals (a one-element allreduce). A loader's pass ends
-//   early once max_steps optimizer steps are done.
+//   more than one rank, agrees on stop signals (a one-element allreduce started at one boundary
+//   and read at the next, so no rank waits for it: a stop takes effect one step after the signal).
+//   A loader's pass ends early once max_steps optimizer steps are done.
 // - State (save_state/load_state, collective): the prepared models' parameters and buffers, the
 //   prepared optimizer's full state (at most one optimizer), each prepared scheduler (its step
 //   count, replayed on load, and its learning rates), every rank's CPU RNG, the optimizer step,
@@ -150,6 +151,8 @@ struct AcceleratorOptions {
 };
 
 enum class Reduction { kSum, kMean };
+
+struct CheckpointOptions;  // chorus/train/checkpoint.h
 
 // Enables CPU autocast (bfloat16) for its lifetime when `enabled`, as torch.autocast("cpu") does,
 // and restores the previous state after. Thread-local, like autocast itself.
@@ -569,6 +572,8 @@ class Accelerator {
   struct Records;
 
   std::string who() const;
+  static std::shared_ptr<torch::nn::Module> state_module(const std::vector<PreparedRecord>& models);
+  CheckpointOptions checkpoint_options() const;
   int64_t dataset_size(torch::optional<size_t> size) const;
   std::shared_ptr<detail::LoaderState> make_loader_state(int64_t dataset_size, int64_t batch, bool drop_last_batch);
   void check_not_prepared(const torch::nn::Module& module) const;
@@ -586,7 +591,9 @@ class Accelerator {
   void settle_step();
   void finish_step();
   void flush_aggregate();
-  int agree_on_signal();
+  int agree_on_signal();      // blocking: the largest pending signal number over the ranks
+  int poll_signal();          // at step boundaries: the agreement started one boundary earlier
+  int finish_signal_check();  // waits for the outstanding asynchronous check; its outcome
   [[noreturn]] void stop_and_exit(int signal);
   void stop(int signal);
   double elapsed() const;
@@ -616,6 +623,8 @@ class Accelerator {
   int64_t epochs_ = 0;         // epochs() of the current loop
   int64_t planned_steps_ = 0;  // optimizer steps the loop will run (0: unknown)
   int64_t first_step_ = 0;     // global_step_ when this process started training
+  dist::WorkPtr signal_work_;  // the outstanding asynchronous signal check
+  at::Tensor signal_value_;
   std::unique_ptr<Timing> timing_;
   std::unique_ptr<Records> records_;
 };
@@ -633,7 +642,8 @@ void set_num_threads(int threads);
 // Runs `train` as one rank of a job and returns main()'s exit status. In a process a launcher
 // started as one rank (chorus run or torchrun set RANK; mpirun with more than one rank sets
 // OMPI_COMM_WORLD_RANK; srun with more than one task sets SLURM_PROCID in a job step) it runs here;
-// otherwise in `nproc` local processes started by chorus::spawn (nproc 0 or 1: one). An exception
+// otherwise in `nproc` local processes started by chorus::spawn (0: one). A launched rank given an
+// nproc above 0 is a usage error (status 2): the launcher decides the ranks. An exception
 // is printed on one line (libtorch's without its backtrace) as "<program>: rank R: error: ...",
 // recorded for chorus run's report, and gives status 2 for a UsageError, else 1.
 int run_job(const char* program, int nproc, const std::function<void()>& train);
