@@ -803,7 +803,10 @@ void Accelerator::end_training() {
                           {"epoch", epoch()}, {"time", wall}};
   if (stopped_) event["signal"] = pending_signal();
   r.recorder.line(event, rank_ == 0);
-  const double train_s = r.step_ms / 1e3;
+  // All ranks' samples over rank 0's training time (its steps, evaluations and saves excluded):
+  // the ranks step together, so this is the job's rate. (The slowest rank's time per step,
+  // summed, would count every step's jitter on either rank as lost time.)
+  const double train_s = timing_->train_seconds;
   const double samples_per_s = train_s > 0 ? r.samples / train_s : 0;
   if (rank_ == 0) {
     auto mean = [&](double total) { return r.steps > 0 ? total / static_cast<double>(r.steps) : 0.0; };
