@@ -34,8 +34,8 @@ stress: build
 	cd $(BUILD_DIR) && ctest --output-on-failure --repeat until-fail:$(STRESS_REPEAT) -L multiproc $(CTEST_FLAGS)
 
 # compare-ddp runs the Accelerator example as an extra row beside the hand-written loop (the
-# harness) and PyTorch DDP.
-ACCELERATOR_ROW = accelerator example={bin}/fashion_mnist --nproc {world} --max-steps {steps} --epochs {epochs} --batch-size {batch_size} --lr {lr} --seed {seed} --threads 1 --data {data} --overwrite
+# harness) and PyTorch DDP, its ranks pinned by `chorus run --bind-cpu` as the harness pins its own.
+ACCELERATOR_ROW = accelerator example={bin}/chorus run -n {world} --bind-cpu {bin}/fashion_mnist --max-steps {steps} --epochs {epochs} --batch-size {batch_size} --lr {lr} --seed {seed} --threads 1 --data {data} --overwrite
 
 bench: build
 	bench/compare-gloo

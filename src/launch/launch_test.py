@@ -10,6 +10,7 @@ Every run is bounded by a timeout; every temporary directory is removed."""
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -179,6 +180,21 @@ class LaunchTest(unittest.TestCase):
         self.assertIn("[--] PROGRAM [ARGS...]", r.stdout)
         self.assertIn("--grace-period FLOAT=5", r.stdout)
         self.assertIn("--nproc_per_node", r.stdout)
+
+    def test_bind_cpu_pins_each_local_rank_to_its_own_cpu(self):
+        if len(os.sched_getaffinity(0)) < 2:
+            self.skipTest("needs 2 CPUs")
+        show = ["/bin/sh", "-c", "grep Cpus_allowed_list /proc/self/status"]
+        r = self.chorus("-n", "2", "--bind-cpu", "--tee", "--", *show)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        cpus = dict(re.findall(r"\[rank (\d)\] Cpus_allowed_list:\s*(\S+)", r.stdout))
+        self.assertEqual(sorted(cpus), ["0", "1"], r.stdout)
+        self.assertNotEqual(cpus["0"], cpus["1"])
+        for cpu in cpus.values():
+            self.assertRegex(cpu, r"^\d+$")  # one CPU each
+        r = self.chorus("-n", "2", "--tee", "--", *show)  # without the flag: the launcher's CPUs
+        for cpu in re.findall(r"Cpus_allowed_list:\s*(\S+)", r.stdout):
+            self.assertNotRegex(cpu, r"^\d+$")
 
     def test_log_dir_keeps_rank_0_on_the_terminal(self):
         logs = os.path.join(self.dir, "logs")

@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -49,6 +50,26 @@ void on_signal(int sig) {
 std::string signal_name(int sig) {
   const char* abbrev = sigabbrev_np(sig);
   return abbrev ? std::string("SIG") + abbrev : "signal " + std::to_string(sig);
+}
+
+// The local_rank-th CPU this process may run on, or -1 (with a warning, once) when the node's
+// local_world ranks outnumber those CPUs: then no rank is pinned.
+int cpu_for_local_rank(int local_rank, int local_world) {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (::sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return -1;
+  if (local_world > CPU_COUNT(&allowed)) {
+    if (local_rank == 0) {
+      std::fprintf(stderr, "chorus run: --bind-cpu: %d ranks on this node but %d CPUs to run on; not pinning\n",
+                   local_world, CPU_COUNT(&allowed));
+    }
+    return -1;
+  }
+  int seen = 0;
+  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
+    if (CPU_ISSET(cpu, &allowed) && seen++ == local_rank) return cpu;
+  }
+  return -1;
 }
 
 std::string host_name() {
@@ -378,11 +399,18 @@ class Agent {
     w.prefix = o_.tee;
     int pipefd[2] = {-1, -1};
     if (piped && ::pipe2(pipefd, O_CLOEXEC) != 0) throw Error(std::string("chorus run: pipe: ") + std::strerror(errno));
+    const int cpu = o_.bind_cpu ? cpu_for_local_rank(w.local_rank, nproc_) : -1;
     std::fflush(nullptr);
     pid_t pid = ::fork();
     if (pid < 0) throw Error(std::string("chorus run: fork: ") + std::strerror(errno));
     if (pid == 0) {
       ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (cpu >= 0) {
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(cpu, &one);
+        ::sched_setaffinity(0, sizeof(one), &one);
+      }
       for (int sig : kForwarded) ::signal(sig, SIG_DFL);
       sigset_t none;
       sigemptyset(&none);

@@ -96,6 +96,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   run->add_option("--log-dir,--log_dir", launch.log_dir,
                   "write one log per rank here (rank_N.log); rank 0's output also stays on the terminal");
+  run->add_flag("--bind-cpu,--bind_cpu", launch.bind_cpu,
+                "pin local rank r to the r-th CPU this launcher may run on (when the node's ranks fit its CPUs)");
   run->add_flag("--tee", launch.tee, "show every rank's output, each line prefixed [rank N] (and log it with --log-dir)");
   run->add_option("--grace-period", launch.grace_period_s,
                   "seconds between SIGTERM and SIGKILL when stopping workers, in [0, 3600]")

@@ -31,6 +31,7 @@ struct LaunchOptions {
   int max_restarts = 0;
   std::string log_dir;               // one log per rank: <log_dir>/rank_<N>.log; rank 0 stays on the terminal too
   bool tee = false;                  // every rank's output, each line prefixed "[rank N] " (and logged)
+  bool bind_cpu = false;             // pin local rank r to the r-th CPU the launcher may run on (when they fit)
   double grace_period_s = 5.0;       // SIGTERM to SIGKILL, finite, in [0, 3600]
   double rdzv_timeout_s = 60.0;      // waiting for the store and for the other nodes, finite, > 0
   std::string token;                 // job token; default CHORUS_JOB_TOKEN, else token_file, else fresh (one node only)
