@@ -105,6 +105,7 @@ at::Tensor to_float32(const at::Tensor& t) {
 void add_forward_time(Accelerator& accelerator, double seconds) { accelerator.timing_->forward_s += seconds; }
 void add_data_time(Accelerator& accelerator, double seconds) { accelerator.timing_->data_s += seconds; }
 void begin_pass(Accelerator& accelerator) {
+  accelerator.ensure_started();  // a loop without epochs(): resume (when due) before the first batch
   // A step timed across an evaluation between passes would show the evaluation as a slow step.
   if (accelerator.global_step_ == accelerator.settled_step_) accelerator.timing_->reset_step(Clock::now());
 }
@@ -568,18 +569,21 @@ double Accelerator::elapsed() const { return timing_->elapsed_offset + seconds_b
 
 // ---- The loop's hooks ----
 
+void Accelerator::ensure_started() {
+  if (started_) return;
+  started_ = true;
+  if (resume_) load_state();
+  first_step_ = global_step_;
+  nlohmann::json event = {{"type", "event"}, {"event", global_step_ > 0 ? "resume" : "start"},
+                          {"step", global_step_}, {"epoch", epoch()}, {"time", elapsed()},
+                          {"attempt", restart_count_}};
+  records_->recorder.line(event, rank_ == 0);
+  records_->recorder.flush();
+}
+
 int64_t Accelerator::start_training(int64_t epochs) {
   if (epochs < 0) throw UsageError(who() + ": epochs(" + std::to_string(epochs) + "): the number of epochs is negative");
-  if (!started_) {
-    started_ = true;
-    if (resume_) load_state();
-    first_step_ = global_step_;
-    nlohmann::json event = {{"type", "event"}, {"event", global_step_ > 0 ? "resume" : "start"},
-                            {"step", global_step_}, {"epoch", epoch()}, {"time", elapsed()},
-                            {"attempt", restart_count_}};
-    records_->recorder.line(event, rank_ == 0);
-    records_->recorder.flush();
-  }
+  ensure_started();
   epochs_ = epochs;
   const int64_t first = loaders_.empty() ? 0 : loaders_.front()->resume_epoch();
   planned_steps_ = 0;

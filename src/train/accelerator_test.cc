@@ -659,6 +659,35 @@ TEST(State, ARestartResumesWithoutAFlagAndAStaleStateIsRefused) {
   }), "");
 }
 
+TEST(State, ALoopWithoutEpochsResumesAtTheLoadersFirstPass) {
+  EXPECT_EQ(testing::run_ranks(2, [](int, int, std::shared_ptr<Store>) {
+    AcceleratorOptions first = test_options();
+    first.max_steps = 2;
+    state_job(first, 2);
+    // The same job, its loop written by hand (no epochs()): the restart still resumes at step 3.
+    ::setenv("CHORUS_RESTART_COUNT", "1", 1);
+    AcceleratorOptions o = test_options();
+    o.gradient_accumulation_steps = 2;
+    o.seed = 11;
+    Accelerator accelerator(o);
+    ::unsetenv("CHORUS_RESTART_COUNT");
+    DropNet net;
+    auto model = accelerator.prepare_model(net);
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    auto optimizer = accelerator.prepare_optimizer(sgd);
+    const at::Tensor x = features(kStateItems, 6);
+    auto loader = accelerator.prepare_data_loader(Items(x).map(Stack<>()), torch::data::DataLoaderOptions(4));
+    for (auto& batch : loader) {
+      require(accelerator.global_step() >= 2, "the first batch came before the state was loaded");
+      optimizer.zero_grad();
+      accelerator.backward(torch::cross_entropy_loss(model(batch.data), x.narrow(1, 0, 3).argmax(1).index_select(0, batch.target)));
+      optimizer.step();
+    }
+    require(accelerator.global_step() == 3, "after one pass from the resumed position: step " +
+                                                std::to_string(accelerator.global_step()));
+  }), "");
+}
+
 TEST(Signals, SigusrOnOneRankSavesStateOnAllAndExitsZero) {
   auto reports = testing::run_ranks_independent(2, [](int rank, int world) -> std::string {
     torch::set_num_threads(1);

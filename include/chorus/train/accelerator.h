@@ -55,7 +55,8 @@
 //   same world size and batch size gives the same batches, RNG draws and (with deterministic
 //   kernels, e.g. one thread) the same losses as an uninterrupted run.
 // - Resume policy, decided in the constructor (collective): when run_dir()/state holds a state,
-//   it is loaded at the start of epochs() if `resume` is set or the launcher restarted the job
+//   it is loaded at the start of epochs() (or of a prepared training loader's first pass, in a
+//   loop without epochs()) if `resume` is set or the launcher restarted the job
 //   (CHORUS_RESTART_COUNT, TORCHELASTIC_RESTART_COUNT or SLURM_RESTART_COUNT above 0: `chorus run
 //   --max-restarts` needs no flag); with `overwrite` (and no restart) it is deleted; otherwise the
 //   constructor raises UsageError, so a run never silently replaces another's state.
@@ -351,11 +352,11 @@ class PreparedDataLoader {
       : accelerator_(&accelerator), state_(std::move(state)), loader_(std::move(loader)) {}
 
   Iterator begin() {
+    detail::begin_pass(*accelerator_);  // resumes first when due; steps are timed from here
     auto& s = *state_;
     s.sampler->set_epoch(s.pass_completed ? s.sampler->epoch() + 1 : s.sampler->epoch());
     s.pass_completed = false;
     s.position = s.skip;
-    detail::begin_pass(*accelerator_);  // steps are timed from here (not from an evaluation before)
     const auto start = std::chrono::steady_clock::now();
     auto inner = loader_->begin();  // resets the sampler, which skips s.skip batches
     detail::add_data_time(*accelerator_,
@@ -583,6 +584,7 @@ class Accelerator {
   void on_batch(detail::LoaderState& loader, int64_t position);
 
   // The loop's hooks.
+  void ensure_started();  // once: the resume policy's load_state and the start event
   int64_t start_training(int64_t epochs);
   void begin_epoch(int64_t epoch);
   void end_epoch();
