@@ -195,6 +195,9 @@ struct S3Client::Impl {
     r.curl = curl_easy_perform(h);
     curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &r.status);
     r.curl_error = error_buffer[0] != '\0' ? error_buffer : curl_easy_strerror(r.curl);
+    // The idle handle must not keep pointers to this frame's buffers.
+    curl_easy_setopt(h, CURLOPT_ERRORBUFFER, nullptr);
+    curl_easy_setopt(h, CURLOPT_HTTPHEADER, nullptr);
     curl_slist_free_all(headers);
     if (r.curl == CURLE_OK) {
       release(h);
@@ -323,9 +326,11 @@ S3Client::S3Client(S3Options options) : options_(std::move(options)) {
                      "' has no scheme; write http://HOST:PORT or https://HOST (AWS_ENDPOINT_URL)");
   }
   if (options_.max_attempts < 1 || options_.parallel_requests < 1 || options_.max_keys < 1 ||
-      options_.max_keys > 1000) {
+      options_.max_keys > 1000 || options_.deadline.count() <= 0 || options_.request_timeout.count() <= 0 ||
+      options_.connect_timeout.count() <= 0) {
     throw UsageError(std::string(kWhere) +
-                     "max_attempts and parallel_requests must be >= 1 and max_keys in 1..1000");
+                     "max_attempts and parallel_requests must be >= 1, max_keys in 1..1000, and the timeouts "
+                     "and deadline positive");
   }
   impl_ = std::make_unique<Impl>(options_);
   impl_->endpoint_name =
