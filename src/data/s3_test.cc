@@ -6,6 +6,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -47,7 +48,8 @@ std::string temp_dir() {
 
 std::vector<std::uint8_t> bytes_of(const std::string& s) { return {s.begin(), s.end()}; }
 
-// A child process whose stdout we read; SIGKILLed and reaped in the destructor.
+// A child process whose stdout we read; SIGKILLed and reaped in the destructor (and killed by
+// the kernel if this test process dies first).
 class Child {
  public:
   explicit Child(std::vector<std::string> argv) {
@@ -55,6 +57,7 @@ class Child {
     if (::pipe2(fds, O_CLOEXEC) != 0) throw std::runtime_error("pipe failed");
     pid_ = ::fork();
     if (pid_ == 0) {
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);  // no server outlives a test killed by ctest's timeout
       ::dup2(fds[1], 1);
       std::vector<char*> args;
       for (std::string& a : argv) args.push_back(a.data());
