@@ -193,6 +193,9 @@ TEST(S3Unit, UriEncoding) {
   EXPECT_EQ(uri_encode("a/b=c&", false), "a%2Fb%3Dc%26");
   EXPECT_EQ(uri_encode("\xc3\xbc", false), "%C3%BC");
   EXPECT_EQ(s3_detail::url_decode("a+b%2Bc%2fd%"), "a b+c/d%");
+  // x-amz-content-sha256 values (the test server checks signatures, not that a body matches its hash).
+  EXPECT_EQ(s3_detail::sha256_hex(nullptr, 0), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  EXPECT_EQ(s3_detail::sha256_hex("abc", 3), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
   EXPECT_EQ(s3_detail::list_query("x/", 3, "tok/+="),
             "continuation-token=tok%2F%2B%3D&encoding-type=url&list-type=2&max-keys=3&prefix=x%2F");
 }
