@@ -26,6 +26,8 @@ struct LoaderEngine::Batch {
   bool ready = false;  // stacked (or failed): `result` or `error` is set
   torch::data::Example<> result;
   std::string error;
+  int64_t skipped = 0;        // items left out (skip_bad), counted when the batch is taken
+  std::string first_skipped;  // the first one's message
 };
 
 struct LoaderEngine::Shared {
@@ -131,6 +133,11 @@ torch::data::Example<> LoaderEngine::take() {
     shared_->batch_done.wait(lock, [&] { return batch->ready || shared_->stop; });
     if (shared_->stop) throw UsageError("ParallelLoader: the loader was destroyed while a batch was awaited");
     shared_->batches.pop_front();
+    // Counted here, in the loop's order, so that first_bad is the first in the sampler's order.
+    if (batch->skipped > 0) {
+      if (shared_->stats.bad_items == 0) shared_->stats.first_bad = batch->first_skipped;
+      shared_->stats.bad_items += batch->skipped;
+    }
   }
   if (!batch->error.empty()) throw DataError(batch->error);
   return std::move(batch->result);
@@ -222,10 +229,8 @@ void LoaderEngine::work() {
       b.result = std::move(result);
       b.error = std::move(failure);
       b.ready = true;
-      if (skipped > 0 && !b.cancelled) {
-        if (s.stats.bad_items == 0) s.stats.first_bad = first_skipped;
-        s.stats.bad_items += skipped;
-      }
+      b.skipped = skipped;
+      b.first_skipped = std::move(first_skipped);
     }
     s.batch_done.notify_all();
   }

@@ -1,6 +1,7 @@
 // Accelerator::prepare_data_loader over an ImageDataset (a data::ParallelLoader): at W=2 every item
 // is trained on once per epoch across the ranks, in the sampler's order, and a run resumed
-// mid-epoch continues with the same batches as an uninterrupted run.
+// mid-epoch continues with the same batches as an uninterrupted run; the evaluation loader gives
+// each rank its block of evaluation_indices.
 //
 // Libtorch work runs in forked ranks (run_ranks) only, so the gtest process can fork safely.
 #include <gtest/gtest.h>
@@ -54,6 +55,13 @@ Trace train(const data::ImageDataset& dataset, AcceleratorOptions o, int64_t epo
       optimizer.step();
     }
   }
+  // Evaluation: this rank's block of the items, each once, in order.
+  std::vector<int64_t> evaluated;
+  for (auto& batch : accelerator.prepare_eval_loader(dataset, lo)) {
+    for (int64_t r = 0; r < batch.data.size(0); ++r) evaluated.push_back(static_cast<int64_t>(batch.data[r][0].item<float>()));
+  }
+  require(evaluated == data::evaluation_indices(static_cast<int64_t>(dataset.size())),
+          "the evaluation loader did not give this rank's evaluation_indices");
   return trace;
 }
 

@@ -68,8 +68,8 @@ struct LoaderOptions {
 };
 
 struct LoaderStats {
-  int64_t bad_items = 0;  // items left out by skip_bad, over the loader's life
-  std::string first_bad;  // the first one's error message
+  int64_t bad_items = 0;  // items skip_bad left out of the batches handed to the loop, over the loader's life
+  std::string first_bad;  // the first one's error message, in the order the loop got them
 };
 
 namespace detail {

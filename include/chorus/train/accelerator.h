@@ -491,6 +491,14 @@ class Accelerator {
                                          std::move(loader_options));
   }
 
+  // Local. The same over an ImageDataset, loaded by a data::ParallelLoader.
+  data::ParallelLoader<data::EvaluationSampler> prepare_eval_loader(data::ImageDataset dataset,
+                                                                   data::LoaderOptions loader_options) {
+    const auto size = static_cast<int64_t>(dataset.size());
+    return data::ParallelLoader<data::EvaluationSampler>(std::move(dataset),
+                                                         data::EvaluationSampler(size, world_size_, rank_), loader_options);
+  }
+
   // The training loop's epochs (see EpochRange).
   EpochRange epochs(int64_t epochs) { return EpochRange(*this, epochs); }
 
