@@ -100,6 +100,7 @@
 
 #include "chorus/comm/error.h"
 #include "chorus/data/evaluation.h"
+#include "chorus/data/loader.h"
 #include "chorus/data/sampler.h"
 #include "chorus/ddp/ddp.h"
 #include "chorus/torch/distributed.h"
@@ -207,6 +208,8 @@ class SharedSampler : public torch::data::samplers::Sampler<> {
   torch::optional<std::vector<size_t>> next(size_t batch_size) override { return state_->sampler->next(batch_size); }
   void save(torch::serialize::OutputArchive& archive) const override { state_->sampler->save(archive); }
   void load(torch::serialize::InputArchive& archive) override { state_->sampler->load(archive); }
+  // The pass's epoch, for a data::ParallelLoader's decode function.
+  int64_t epoch() const { return state_->sampler->epoch(); }
 
  private:
   std::shared_ptr<LoaderState> state_;
@@ -300,12 +303,12 @@ class PreparedScheduler {
 // end()) yields the same number of batches on every rank; a pass that reached its end moves the
 // next one to the next epoch (a pass broken off early is repeated from its start, same epoch,
 // unless the Accelerator ended it: then the next pass continues where it stopped). The last batch
-// of a pass makes its backward() a sync step.
-template <typename Dataset>
+// of a pass makes its backward() a sync step. Loader: libtorch's StatelessDataLoader, or a
+// data::ParallelLoader (prepare_data_loader's ImageDataset overload).
+template <typename Dataset, typename Loader = torch::data::StatelessDataLoader<Dataset, detail::SharedSampler>>
 class PreparedDataLoader {
  public:
-  using Loader = torch::data::StatelessDataLoader<Dataset, detail::SharedSampler>;
-  using Batch = typename Dataset::BatchType;
+  using Batch = typename Loader::BatchType;
 
   class Iterator {
    public:
@@ -466,6 +469,20 @@ class Accelerator {
     return PreparedDataLoader<Dataset>(*this, std::move(state), std::move(loader));
   }
 
+  // Local. The same over an ImageDataset, loaded by a data::ParallelLoader (decode threads,
+  // prefetch, skip_bad: chorus/data/loader.h) that draws its index batches from this rank's
+  // DistributedSampler; a resumed pass skips the trained batches without reading them.
+  using ImageLoader = data::ParallelLoader<detail::SharedSampler>;
+  PreparedDataLoader<data::ImageDataset, ImageLoader> prepare_data_loader(data::ImageDataset dataset,
+                                                                          data::LoaderOptions loader_options) {
+    const auto size = static_cast<int64_t>(dataset.size());
+    const auto batch = static_cast<int64_t>(loader_options.batch_size);
+    if (batch < 1) throw UsageError(who() + ": prepare_data_loader needs a batch_size of at least 1");
+    auto state = make_loader_state(size, batch, loader_options.drop_last);
+    auto loader = std::make_unique<ImageLoader>(std::move(dataset), detail::SharedSampler(state), loader_options);
+    return PreparedDataLoader<data::ImageDataset, ImageLoader>(*this, std::move(state), std::move(loader));
+  }
+
   // Local. A loader over this rank's block of evaluation_indices (every item once, ranks may get
   // different numbers of batches): its per-item results go to gather_for_metrics.
   template <typename Dataset>
@@ -473,6 +490,14 @@ class Accelerator {
     const int64_t size = dataset_size(dataset.size());
     return torch::data::make_data_loader(std::move(dataset), data::EvaluationSampler(size, world_size_, rank_),
                                          std::move(loader_options));
+  }
+
+  // Local. The same over an ImageDataset, loaded by a data::ParallelLoader.
+  data::ParallelLoader<data::EvaluationSampler> prepare_eval_loader(data::ImageDataset dataset,
+                                                                   data::LoaderOptions loader_options) {
+    const auto size = static_cast<int64_t>(dataset.size());
+    return data::ParallelLoader<data::EvaluationSampler>(std::move(dataset),
+                                                         data::EvaluationSampler(size, world_size_, rank_), loader_options);
   }
 
   // The training loop's epochs (see EpochRange).
@@ -545,7 +570,7 @@ class Accelerator {
   bool autocast_enabled() const { return options_.mixed_precision == MixedPrecision::kBF16; }
 
  private:
-  template <typename Dataset>
+  template <typename Dataset, typename Loader>
   friend class PreparedDataLoader;
   friend class PreparedOptimizer;
   friend class EpochRange;
@@ -631,8 +656,8 @@ class Accelerator {
   std::unique_ptr<Records> records_;
 };
 
-template <typename Dataset>
-void PreparedDataLoader<Dataset>::on_batch(int64_t position) {
+template <typename Dataset, typename Loader>
+void PreparedDataLoader<Dataset, Loader>::on_batch(int64_t position) {
   accelerator_->on_batch(*state_, position);
 }
 
