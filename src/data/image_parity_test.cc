@@ -115,6 +115,20 @@ TEST(ImageParity, DecodeAndTransformsMatchPilAndTorchvision) {
   write_file((dir / "src/ours_rgb_q90.jpg").string(), encode_jpeg(photo, 90));
   write_file((dir / "src/ours_gray_q75.jpg").string(), encode_jpeg(gray, 75));
 
+  // CHORUS_IMAGE_PARITY_FILES: more images (colon-separated paths, e.g. real photos) to decode and
+  // transform, for measuring by hand; the test's own cases do not need them.
+  std::vector<Image> extra;
+  if (const char* files = std::getenv("CHORUS_IMAGE_PARITY_FILES")) {
+    std::istringstream list(files);
+    int k = 0;
+    for (std::string path; std::getline(list, path, ':');) {
+      if (path.empty()) continue;
+      const fs::path copy = dir / "src" / ("extra_" + std::to_string(k++) + fs::path(path).extension().string());
+      fs::copy_file(path, copy);
+      extra.push_back(read_image(copy.string(), ImageMode::kRGB));
+    }
+  }
+
   Cases cases(dir);
   std::vector<std::string> sources;
   for (const auto& e : fs::directory_iterator(dir / "src")) sources.push_back("src/" + e.path().filename().string());
@@ -128,6 +142,7 @@ TEST(ImageParity, DecodeAndTransformsMatchPilAndTorchvision) {
 
   // Transforms on RGB and gray inputs of several shapes (down- and upsampling, odd sizes).
   std::vector<Image> inputs = {photo, gray, crop(photo, 3, 5, 40, 61), resize(gray, 28, 28)};
+  inputs.insert(inputs.end(), extra.begin(), extra.end());
   for (const Image& img : inputs) {
     const std::string in = cases.input(img);
     for (int64_t s : {7, 16, 28, 33, 64, 100, 224}) {

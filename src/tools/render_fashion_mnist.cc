@@ -118,6 +118,7 @@ void open_csv(CsvOut& csv, const std::string& out_dir, const std::string& split)
   csv.multi << ",group\n";
 }
 
+// Returns the number of files written.
 int64_t render_split(const RenderArgs& args, bool train) {
   const std::string prefix = train ? "train" : "t10k";
   const std::string split = train ? "train" : "test";
@@ -127,8 +128,8 @@ int64_t render_split(const RenderArgs& args, bool train) {
     throw Error(args.data_dir + ": " + std::to_string(images.shape[0]) + " " + prefix + " images but " +
                 std::to_string(labels.shape[0]) + " labels");
   }
-  int64_t n = images.shape[0];
-  if (args.limit >= 0) n = std::min<int64_t>(n, args.limit);
+  const auto n = static_cast<int64_t>(images.shape[0]);
+  std::array<int64_t, 10> per_class{};  // --limit counts items per class, so no class folder is empty
   for (const char* c : kClasses) fs::create_directories(args.out_dir + "/" + split + "/" + c);
   CsvOut csv;
   if (args.csv) open_csv(csv, args.out_dir, split);
@@ -138,6 +139,8 @@ int64_t render_split(const RenderArgs& args, bool train) {
   for (int64_t i = 0; i < n; ++i) {
     const uint8_t label = labels.data[static_cast<size_t>(i)];
     if (label > 9) throw Error(args.data_dir + ": label " + std::to_string(label) + " at item " + std::to_string(i));
+    if (args.limit >= 0 && per_class[label] >= args.limit) continue;
+    ++per_class[label];
     data::Image img(28, 28, 1);
     std::memcpy(img.pixels.data(), images.data.data() + i * 28 * 28, 28 * 28);
     if (args.size != 28) img = data::resize(img, args.size, args.size);
@@ -170,7 +173,7 @@ void add_render_options(CLI::App& app, RenderArgs& args) {
   app.add_option("--format", args.format, "png, jpeg, or both (each item twice, as .png and .jpg)")
       ->check(CLI::IsMember({"png", "jpeg", "both"}))
       ->capture_default_str();
-  app.add_option("--limit", args.limit, "items per split (default: all)")->check(CLI::NonNegativeNumber);
+  app.add_option("--limit", args.limit, "the first N items of each class in each split (default: all)")->check(CLI::NonNegativeNumber);
   app.add_flag("--csv", args.csv,
                "also write OUT_DIR/{train,test}.csv (path,label) and {train,test}_multilabel.csv "
                "(path,upper_body,lower_body,footwear,accessory,group; 0/1 columns, group = index / 10)");

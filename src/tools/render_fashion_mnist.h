@@ -14,7 +14,7 @@ struct RenderArgs {
   std::string data_dir = "/usr/share/datasets/fashion-mnist";  // Debian's dataset-fashion-mnist
   int size = 28;              // 28 (as stored), or 64 / 224 (PIL-bilinear upscaled)
   std::string format = "png";  // png, jpeg or both
-  int64_t limit = -1;         // items per split; -1: all
+  int64_t limit = -1;         // first N items of each class per split; -1: all
   bool csv = false;           // also train.csv / test.csv and *_multilabel.csv
   int quality = 90;           // JPEG quality
 };
