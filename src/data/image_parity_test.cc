@@ -19,24 +19,12 @@
 
 #include "chorus/data/image.h"
 #include "chorus/data/image_transforms.h"
+#include "testing.h"
 
 namespace chorus::data {
 namespace {
 
 namespace fs = std::filesystem;
-
-std::string run_capture(const std::string& command, int* status) {
-  std::string out;
-  FILE* p = ::popen(command.c_str(), "r");
-  if (p == nullptr) {
-    *status = -1;
-    return out;
-  }
-  char buf[4096];
-  for (size_t k; (k = std::fread(buf, 1, sizeof(buf), p)) > 0;) out.append(buf, k);
-  *status = ::pclose(p);
-  return out;
-}
 
 class Cases {
  public:
@@ -94,10 +82,9 @@ std::string floats(const std::vector<float>& v) {
 }
 
 TEST(ImageParity, DecodeAndTransformsMatchPilAndTorchvision) {
-  const char* override_python = std::getenv("CHORUS_PARITY_PYTHON");
-  const std::string python = override_python != nullptr ? override_python : "/usr/bin/python3";
+  const std::string python = testing::parity_python();
   int status = 0;
-  run_capture(python + " -c 'import PIL, torchvision' >/dev/null 2>&1", &status);
+  testing::run_capture(python + " -c 'import PIL, torchvision' >/dev/null 2>&1", &status);
   if (status != 0) GTEST_SKIP() << python << " cannot import PIL and torchvision (python3-pil, python3-torchvision)";
 
   const fs::path dir = fs::path(::testing::TempDir()) / ("chorus_image_parity_" + std::to_string(::getpid()));
@@ -105,7 +92,7 @@ TEST(ImageParity, DecodeAndTransformsMatchPilAndTorchvision) {
   fs::create_directories(dir / "out");
   fs::create_directories(dir / "in");
   const std::string script = std::string(python) + " " + CHORUS_IMAGE_PARITY_SCRIPT;
-  const std::string made = run_capture(script + " make " + dir.string() + " 2>&1", &status);
+  const std::string made = testing::run_capture(script + " make " + dir.string() + " 2>&1", &status);
   ASSERT_EQ(status, 0) << made;
 
   // Our encoders' files join PIL's.
@@ -194,7 +181,7 @@ TEST(ImageParity, DecodeAndTransformsMatchPilAndTorchvision) {
   }
   cases.close();
 
-  const std::string report = run_capture(script + " check " + dir.string() + " 2>&1", &status);
+  const std::string report = testing::run_capture(script + " check " + dir.string() + " 2>&1", &status);
   std::printf("%s", report.c_str());
   EXPECT_EQ(status, 0) << "the reference differs (cases kept in " << dir << ")";
   EXPECT_NE(report.find("RESULT ok "), std::string::npos) << report;
