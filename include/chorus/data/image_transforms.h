@@ -112,9 +112,8 @@ class ImagePipeline {
   // The [C, H, W] shape apply_into writes for an input of this size, without decoding anything.
   std::array<int64_t, 3> output_shape(int64_t height, int64_t width, int64_t channels) const;
 
-  struct Step;
-
  private:
+  struct Step;  // one transform and its arguments (image_transforms.cc)
   std::shared_ptr<const std::vector<Step>> steps_;
   std::shared_ptr<const std::pair<std::vector<float>, std::vector<float>>> mean_std_;
   ImagePipeline& add(Step step);
