@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <thread>
 
@@ -102,6 +103,24 @@ std::vector<ChildReport> run_ranks_independent(int world,
 std::string unique_name(const std::string& stem) {
   static std::atomic<int> counter{0};
   return "chorus-test-" + stem + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
+}
+
+std::string run_capture(const std::string& command, int* status) {
+  std::string out;
+  FILE* pipe = ::popen(command.c_str(), "r");
+  if (pipe == nullptr) {
+    *status = -1;
+    return out;
+  }
+  char buf[4096];
+  for (size_t got; (got = std::fread(buf, 1, sizeof(buf), pipe)) > 0;) out.append(buf, got);
+  *status = ::pclose(pipe);
+  return out;
+}
+
+std::string parity_python() {
+  const char* override_python = std::getenv("CHORUS_PARITY_PYTHON");
+  return override_python != nullptr ? override_python : "/usr/bin/python3";
 }
 
 }  // namespace chorus::testing

@@ -34,4 +34,12 @@ std::vector<ChildReport> run_ranks_independent(int world, const std::function<st
 // A per-test unique name ("chorus-test-<pid>-<counter>").
 std::string unique_name(const std::string& stem);
 
+// Runs `command` through /bin/sh and returns its standard output; *status is pclose's result
+// (-1 when it could not start). For parity tests that run a Python reference.
+std::string run_capture(const std::string& command, int* status);
+
+// The Python that parity tests run: CHORUS_PARITY_PYTHON (e.g. "/usr/bin/python3 -S" to see a
+// test skip), else /usr/bin/python3 (Debian's, with python3-torch).
+std::string parity_python();
+
 }  // namespace chorus::testing

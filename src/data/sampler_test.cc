@@ -16,6 +16,7 @@
 #include <string>
 
 #include "chorus/comm/error.h"
+#include "testing.h"
 
 namespace chorus::data {
 namespace {
@@ -272,29 +273,14 @@ TEST(DistributedSampler, BadArgumentsGetClearErrors) {
 #define CHORUS_SAMPLER_PARITY_SCRIPT "src/data/sampler_parity_test.py"
 #endif
 
-std::string run_capture(const std::string& command, int* status) {
-  std::string out;
-  FILE* pipe = ::popen(command.c_str(), "r");
-  if (pipe == nullptr) {
-    *status = -1;
-    return out;
-  }
-  char buf[1 << 16];
-  size_t got;
-  while ((got = std::fread(buf, 1, sizeof(buf), pipe)) > 0) out.append(buf, got);
-  *status = ::pclose(pipe);
-  return out;
-}
-
 TEST(SamplerParity, SameIndicesAsPyTorchDistributedSampler) {
   // CHORUS_PARITY_PYTHON overrides the interpreter (e.g. "/usr/bin/python3 -S" to see the skip).
-  const char* override_python = std::getenv("CHORUS_PARITY_PYTHON");
-  const std::string python = override_python != nullptr ? override_python : "/usr/bin/python3";
+  const std::string python = testing::parity_python();
   int status = 0;
-  run_capture(python + " -c 'import torch' >/dev/null 2>&1", &status);
+  testing::run_capture(python + " -c 'import torch' >/dev/null 2>&1", &status);
   if (status != 0) GTEST_SKIP() << python << " cannot import torch (install python3-torch); no reference to compare";
 
-  const std::string output = run_capture(python + " " + CHORUS_SAMPLER_PARITY_SCRIPT, &status);
+  const std::string output = testing::run_capture(python + " " + CHORUS_SAMPLER_PARITY_SCRIPT, &status);
   ASSERT_EQ(status, 0) << "the parity script failed: " << CHORUS_SAMPLER_PARITY_SCRIPT;
 
   std::istringstream lines(output);

@@ -127,30 +127,15 @@ void train_rank(int rank, int world, const std::string& optimizer, bool bucket_v
   dist::destroy_process_group();
 }
 
-std::string run_capture(const std::string& command, int* status) {
-  std::string out;
-  FILE* pipe = ::popen(command.c_str(), "r");
-  if (pipe == nullptr) {
-    *status = -1;
-    return out;
-  }
-  char buf[4096];
-  size_t got;
-  while ((got = std::fread(buf, 1, sizeof(buf), pipe)) > 0) out.append(buf, got);
-  *status = ::pclose(pipe);
-  return out;
-}
-
 using ParityCase = std::tuple<int, std::string, bool>;  // world, optimizer, gradient_as_bucket_view
 
 class TorchParity : public ::testing::TestWithParam<ParityCase> {};
 
 TEST_P(TorchParity, ParametersAndGradsMatchPyTorchDdp) {
   const auto& [world, optimizer, bucket_view] = GetParam();
-  const char* override_python = std::getenv("CHORUS_PARITY_PYTHON");
-  const std::string python = override_python != nullptr ? override_python : "/usr/bin/python3";
+  const std::string python = testing::parity_python();
   int status = 0;
-  run_capture(python + " -c 'import torch' >/dev/null 2>&1", &status);
+  testing::run_capture(python + " -c 'import torch' >/dev/null 2>&1", &status);
   if (status != 0) GTEST_SKIP() << python << " cannot import torch (install python3-torch); no reference to compare";
 
   char tmpl[] = "/tmp/chorus-ddp-parity-XXXXXX";
@@ -161,7 +146,7 @@ TEST_P(TorchParity, ParametersAndGradsMatchPyTorchDdp) {
   });
   std::string output;
   if (err.empty()) {
-    output = run_capture(python + " " + CHORUS_DDP_PARITY_SCRIPT + " --dir " + dir + " --world " +
+    output = testing::run_capture(python + " " + CHORUS_DDP_PARITY_SCRIPT + " --dir " + dir + " --world " +
                              std::to_string(world) + " --optimizer " + optimizer + " --bucket-view " +
                              (bucket_view ? "1" : "0") + " 2>&1",
                          &status);

@@ -1,4 +1,5 @@
-// The `chorus` command: `chorus run ...` (the launcher), `chorus bench ...` and `chorus report ...`.
+// The `chorus` command: `chorus run ...` (the launcher), `chorus bench ...`, `chorus report ...` and
+// `chorus data render-fashion-mnist ...`.
 //
 // Exit codes: 0 on success and for --help/--version, 2 for a usage error (bad option or value),
 // else what the subcommand returns (chorus run: 1 when the job failed, 128+N when stopped by
@@ -18,6 +19,7 @@
 #include "chorus/config.h"
 #include "chorus/launch/launcher.h"
 #include "chorus/report/report.h"
+#include "render_fashion_mnist.h"
 
 namespace {
 
@@ -127,6 +129,13 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
 
+  chorus::tools::RenderArgs render;
+  CLI::App* data = app.add_subcommand("data", "data set tools");
+  data->require_subcommand(1);
+  CLI::App* render_cmd = data->add_subcommand(
+      "render-fashion-mnist", "write Fashion-MNIST as image files (an ImageFolder tree) and CSV datasets");
+  chorus::tools::add_render_options(*render_cmd, render);
+
   std::vector<std::string> program;
   std::vector<std::string> args = split_program(std::vector<std::string>(argv, argv + argc), *run, &program);
   std::vector<char*> cargs;
@@ -161,6 +170,7 @@ int main(int argc, char** argv) {
       return chorus::launch::run(launch);
     }
     if (b->parsed()) return chorus::tools::run_bench(bench);
+    if (render_cmd->parsed()) return chorus::tools::run_render_fashion_mnist(render);
     if (rep->parsed()) {
       report.gnuplot_timeout = std::chrono::milliseconds(static_cast<int64_t>(gnuplot_timeout_s * 1000));
       try {
