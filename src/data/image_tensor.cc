@@ -21,4 +21,11 @@ at::Tensor apply_to_tensor(const ImagePipeline& pipeline, const Image& image, ui
   return t;
 }
 
+DecodeFn image_decoder(ImagePipeline pipeline, ImageMode mode, uint64_t seed) {
+  return [pipeline = std::move(pipeline), mode, seed](const std::vector<uint8_t>& bytes, const ItemInfo& item) {
+    const Image image = decode_image(bytes.data(), bytes.size(), mode, item.key);
+    return apply_to_tensor(pipeline, image, seed, static_cast<uint64_t>(item.epoch), static_cast<uint64_t>(item.index));
+  };
+}
+
 }  // namespace chorus::data
