@@ -94,23 +94,10 @@ std::string hms(double s) {
   return buf;
 }
 
-// Whether stdout is a terminal that shows a line rewritten in place ("\r" and an erase-line code).
-// mpirun (Open MPI, by default) and srun --pty give ranks a pseudo-terminal but relay its output
-// line by line into other terminals and log files, where the rewrites arrive as garbage.
-bool rewrites_in_place() {
-  if (::isatty(1) == 0) return false;
-  const char* term = std::getenv("TERM");
-  if (term != nullptr && std::strcmp(term, "dumb") == 0) return false;
-  for (const char* relay : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_STEP_ID", "SLURM_STEPID"}) {
-    if (std::getenv(relay) != nullptr) return false;
-  }
-  return true;
-}
-
 // Rank 0's progress: one line rewritten in place on a terminal, else a line every log_every steps.
 class Progress {
  public:
-  Progress(bool active, int64_t log_every) : active_(active), tty_(rewrites_in_place()), log_every_(log_every) {}
+  Progress(bool active, int64_t log_every) : active_(active), tty_(chorus::train::stdout_rewrites_in_place()), log_every_(log_every) {}
 
   void step(int64_t epoch, int64_t epochs, int64_t step, int64_t planned, double loss, double samples_per_s,
             double step_seconds) {

@@ -311,7 +311,7 @@ Accelerator::Accelerator(AcceleratorOptions options)
       throw UsageError(who() + ": " + e.what());
     }
   }
-  records_->progress = detail::Progress(rank_ == 0 && options_.progress, detail::stdout_rewrites_in_place(),
+  records_->progress = detail::Progress(rank_ == 0 && options_.progress, stdout_rewrites_in_place(),
                                         options_.log_every);
   watch_signals({SIGTERM, SIGUSR1, SIGUSR2});
 

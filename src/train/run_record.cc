@@ -215,15 +215,6 @@ void RunRecorder::flush() {
   }
 }
 
-bool stdout_rewrites_in_place() {
-  if (::isatty(1) == 0) return false;
-  const char* term = std::getenv("TERM");
-  if (term != nullptr && std::strcmp(term, "dumb") == 0) return false;
-  for (const char* relay : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_STEP_ID", "SLURM_STEPID"}) {
-    if (std::getenv(relay) != nullptr) return false;
-  }
-  return true;
-}
 
 std::string hms(double seconds) {
   const int64_t t = seconds > 0 ? static_cast<int64_t>(seconds + 0.5) : 0;
@@ -287,3 +278,17 @@ void Progress::close() {
 }
 
 }  // namespace chorus::train::detail
+
+namespace chorus::train {
+
+bool stdout_rewrites_in_place() {
+  if (::isatty(1) == 0) return false;
+  const char* term = std::getenv("TERM");
+  if (term != nullptr && std::strcmp(term, "dumb") == 0) return false;
+  for (const char* relay : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_STEP_ID", "SLURM_STEPID"}) {
+    if (std::getenv(relay) != nullptr) return false;
+  }
+  return true;
+}
+
+}  // namespace chorus::train

@@ -9,6 +9,11 @@
 #include <string>
 #include <vector>
 
+namespace chorus::train {
+// Defined in run_record.cc; declared for users in chorus/train/accelerator.h.
+bool stdout_rewrites_in_place();
+}  // namespace chorus::train
+
 namespace chorus::train::detail {
 
 // One optimizer step as one rank measured it (times in milliseconds, time in seconds).
@@ -78,10 +83,6 @@ class RunRecorder {
   std::FILE* log_file_ = nullptr;
 };
 
-// Whether stdout shows a line rewritten in place: a terminal, not TERM=dumb, and not a rank of
-// mpirun or srun (they relay a pseudo-terminal's output line by line into logs, where "\r" and
-// escape codes arrive as garbage).
-bool stdout_rewrites_in_place();
 
 // Rank 0's progress on stdout: a bar rewritten in place (at most 4 times a second) on a terminal,
 // else a plain line every `every` steps and at the last.

@@ -661,6 +661,11 @@ void PreparedDataLoader<Dataset, Loader>::on_batch(int64_t position) {
   accelerator_->on_batch(*state_, position);
 }
 
+// Whether stdout shows a line rewritten in place: a terminal, not TERM=dumb, and not a rank of
+// mpirun or srun (they relay a pseudo-terminal's output line by line into logs, where "\r" and
+// escape codes arrive as garbage). The Accelerator's progress bar is drawn only then.
+bool stdout_rewrites_in_place();
+
 // Intra-op threads of this process: torch::set_num_threads, and OpenBLAS's own pool when OpenBLAS
 // is the BLAS in use (Debian's libblas.so.3 alternative; it otherwise runs a thread per core, so
 // two ranks on two cores would run four BLAS threads).
