@@ -163,6 +163,15 @@ ImageDataset make_csv_dataset(const std::string& csv_path, std::shared_ptr<ByteS
   return make_csv_dataset_from_text(text.str(), csv_path, std::move(source), std::move(decode), options);
 }
 
+ImageDataset make_csv_dataset(std::shared_ptr<ByteSource> source, const std::string& csv_key, DecodeFn decode,
+                              const CsvDatasetOptions& options) {
+  if (!source) throw UsageError("make_csv_dataset: the ByteSource is null");
+  const std::vector<uint8_t> bytes = source->read(csv_key);
+  const std::string where = source->describe(csv_key);  // before `source` is moved
+  return make_csv_dataset_from_text(std::string(bytes.begin(), bytes.end()), where, std::move(source),
+                                    std::move(decode), options);
+}
+
 DatasetSplit grouped_split(const ImageDataset& dataset, double val_fraction, uint64_t seed) {
   if (!(val_fraction >= 0.0 && val_fraction <= 1.0)) {
     throw UsageError("grouped_split: val_fraction must be in [0, 1], got " + std::to_string(val_fraction));

@@ -66,6 +66,8 @@ torch::data::Example<> ImageDataset::get(size_t index, int64_t epoch) const {
   try {
     const std::vector<uint8_t> bytes = state_->source->read(s.key);
     data = state_->decode(bytes, ItemInfo{static_cast<int64_t>(index), epoch, s.key});
+  } catch (const SourceError&) {
+    throw;  // the storage's failure, not this item's: kept apart for the loader (skip_bad)
   } catch (const std::exception& e) {
     // The source's own errors already start with the file; name it for the decoder's.
     const std::string where = state_->source->describe(s.key);

@@ -21,11 +21,13 @@ struct LoaderEngine::Batch {
   std::vector<size_t> indices;
   std::vector<at::Tensor> data;     // per item, once decoded
   std::vector<std::string> errors;  // per item: "" or the failure
+  std::vector<char> source_failed;  // per item: the failure was the storage's (SourceError), never skipped
   size_t pending = 0;               // items not yet decoded
   std::atomic<bool> cancelled{false};
   bool ready = false;  // stacked (or failed): `result` or `error` is set
   torch::data::Example<> result;
   std::string error;
+  bool error_is_source = false;  // `error` is a SourceError's: thrown as one
   int64_t skipped = 0;        // items left out (skip_bad), counted when the batch is taken
   std::string first_skipped;  // the first one's message
 };
@@ -112,6 +114,7 @@ void LoaderEngine::submit(std::vector<size_t> indices) {
     batch->indices = std::move(indices);
     batch->data.resize(batch->indices.size());
     batch->errors.resize(batch->indices.size());
+    batch->source_failed.resize(batch->indices.size());
     batch->pending = batch->indices.size();
     for (size_t p = 0; p < batch->indices.size(); ++p) shared_->items.push_back({batch, p});
     shared_->batches.push_back(std::move(batch));
@@ -139,7 +142,10 @@ torch::data::Example<> LoaderEngine::take() {
       shared_->stats.bad_items += batch->skipped;
     }
   }
-  if (!batch->error.empty()) throw DataError(batch->error);
+  if (!batch->error.empty()) {
+    if (batch->error_is_source) throw SourceError(batch->error);
+    throw DataError(batch->error);
+  }
   return std::move(batch->result);
 }
 
@@ -164,8 +170,12 @@ void LoaderEngine::work() {
     const size_t index = b.indices[item.position];
     at::Tensor data;
     std::string error;
+    bool source_failed = false;
     try {
       data = s.dataset.get(index, b.epoch).data;
+    } catch (const SourceError& e) {
+      error = e.what();
+      source_failed = true;
     } catch (const std::exception& e) {
       error = e.what();
     }
@@ -174,12 +184,14 @@ void LoaderEngine::work() {
       std::lock_guard<std::mutex> lock(s.mutex);
       b.data[item.position] = std::move(data);
       b.errors[item.position] = std::move(error);
+      b.source_failed[item.position] = source_failed;
       last = --b.pending == 0;
     }
     if (!last || b.cancelled) continue;
 
     // This thread finished the batch: stack it (outside the lock) and release the items.
     std::string failure;
+    bool failure_is_source = false;
     torch::data::Example<> result;
     std::vector<at::Tensor> xs, ys;
     int64_t skipped = 0;
@@ -194,8 +206,9 @@ void LoaderEngine::work() {
       }
       const std::string what = batch_name + ", item " + std::to_string(p) + " (dataset index " +
                                std::to_string(b.indices[p]) + "): " + b.errors[p];
-      if (!s.options.skip_bad) {
+      if (!s.options.skip_bad || b.source_failed[p]) {
         failure = what;
+        failure_is_source = b.source_failed[p] != 0;
       } else {
         if (skipped++ == 0) first_skipped = what;
       }
@@ -228,6 +241,7 @@ void LoaderEngine::work() {
       for (auto& t : b.data) t = at::Tensor();
       b.result = std::move(result);
       b.error = std::move(failure);
+      b.error_is_source = failure_is_source;
       b.ready = true;
       b.skipped = skipped;
       b.first_skipped = std::move(first_skipped);

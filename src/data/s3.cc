@@ -381,6 +381,10 @@ std::vector<std::uint8_t> S3Client::get(const std::string& bucket, const std::st
   return impl_->get(bucket, key, etag, -1);
 }
 
+std::vector<std::uint8_t> S3Client::get(const std::string& bucket, const S3Object& object) {
+  return impl_->get(bucket, object.key, object.etag, static_cast<std::int64_t>(object.size));
+}
+
 std::vector<std::vector<std::uint8_t>> S3Client::get_many(const std::string& bucket,
                                                           const std::vector<S3Object>& objects) {
   std::vector<std::vector<std::uint8_t>> out(objects.size());
@@ -391,7 +395,7 @@ std::vector<std::vector<std::uint8_t>> S3Client::get_many(const std::string& buc
   auto worker = [&] {
     for (std::size_t i = next.fetch_add(1); i < objects.size() && !failed.load(); i = next.fetch_add(1)) {
       try {
-        out[i] = impl_->get(bucket, objects[i].key, objects[i].etag, static_cast<std::int64_t>(objects[i].size));
+        out[i] = get(bucket, objects[i]);
       } catch (...) {
         std::lock_guard<std::mutex> lock(error_mu);
         if (!first_error) first_error = std::current_exception();

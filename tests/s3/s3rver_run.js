@@ -1,8 +1,11 @@
 // Starts s3rver (an S3-compatible server) on 127.0.0.1 at a port the kernel picks, for s3_test.
-//   node --openssl-legacy-provider s3rver_run.js DIRECTORY REQUEST_LOG BUCKET...
+//   node --openssl-legacy-provider s3rver_run.js [--fail-first=K] DIRECTORY REQUEST_LOG BUCKET...
 //   node s3rver_run.js --self-test    checks the verifier below on AWS's published example
 // Creates the buckets, prints "PORT <n>" on stdout once listening, and appends "METHOD URL" to
 // REQUEST_LOG for every request it receives, so tests count GETs on the server's side.
+// --fail-first=K: the first K GETs of each object are answered 503 SlowDown (logged "METHOD URL
+// 503") before s3rver sees them, as an overloaded S3 does; per object, so the count is the same
+// whatever order concurrent requests arrive in.
 //
 // s3rver 3.7.1 checks the access key id but skips AWS Signature V4 verification, so this wrapper
 // verifies every signed request first, the way S3 does (AWS's SigV4 specification: canonical request
@@ -89,11 +92,28 @@ function checkSignature(req, secrets = SECRETS) {
 }
 
 async function main() {
-  const [directory, requestLog, ...buckets] = process.argv.slice(2);
+  let args = process.argv.slice(2);
+  let failFirst = 0;
+  if (args.length > 0 && args[0].startsWith('--fail-first=')) {
+    failFirst = parseInt(args[0].slice('--fail-first='.length), 10);
+    args = args.slice(1);
+  }
+  const getsOf = new Map(); // object URL -> GETs received
+  const [directory, requestLog, ...buckets] = args;
   const s3rver = new S3rver({ directory, silent: true, configureBuckets: buckets.map((name) => ({ name })) });
   await s3rver.configureBuckets();
   const app = s3rver.callback();
   const server = http.createServer((req, res) => {
+    const objectGet = req.method === 'GET' && !req.url.includes('list-type=');
+    const seen = objectGet ? (getsOf.get(req.url) || 0) + 1 : 0;
+    if (objectGet) getsOf.set(req.url, seen);
+    if (objectGet && seen <= failFirst) {
+      fs.appendFileSync(requestLog, `${req.method} ${req.url} 503\n`);
+      const body = '<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>';
+      res.writeHead(503, { 'Content-Type': 'application/xml', 'Content-Length': Buffer.byteLength(body) });
+      res.end(body);
+      return;
+    }
     fs.appendFileSync(requestLog, `${req.method} ${req.url}\n`);
     const failure = checkSignature(req);
     if (failure === null) return app(req, res);

@@ -1,5 +1,5 @@
-// ByteSource: where a dataset's items come from, by key. A local directory now (LocalByteSource);
-// an object store (S3) implements the same interface.
+// ByteSource: where a dataset's items come from, by key: a local directory (LocalByteSource) or an
+// S3 bucket (S3ByteSource, chorus/data/s3_source.h; open_source picks by the location).
 //
 //   auto source = std::make_shared<chorus::data::LocalByteSource>("/data/imagenet/train");
 //   std::vector<uint8_t> bytes = source->read("n01440764/n01440764_10026.JPEG");
@@ -22,12 +22,21 @@ class DataError : public Error {
   using Error::Error;
 };
 
+// The storage behind a ByteSource failed as a whole (an endpoint down, timeouts, access denied),
+// rather than one item being missing or bad: ParallelLoader never skips it (LoaderOptions::skip_bad),
+// since every later item would fail the same way.
+class SourceError : public DataError {
+ public:
+  using DataError::DataError;
+};
+
 class ByteSource {
  public:
   virtual ~ByteSource() = default;
 
   // The bytes of `key`. Thread-safe: a loader's decode threads call it concurrently. Throws
-  // DataError naming describe(key) and the system's reason when the object cannot be read.
+  // DataError naming describe(key) and the system's reason when the object cannot be read
+  // (SourceError when the storage as a whole failed).
   virtual std::vector<uint8_t> read(const std::string& key) = 0;
 
   // Every key that starts with `prefix` ("" lists everything), in no particular order: each object

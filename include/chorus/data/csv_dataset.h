@@ -53,6 +53,11 @@ ImageDataset make_csv_dataset_from_text(const std::string& text, const std::stri
 // The same from a local CSV file (DataError naming it when it cannot be read).
 ImageDataset make_csv_dataset(const std::string& csv_path, std::shared_ptr<ByteSource> source, DecodeFn decode,
                               const CsvDatasetOptions& options = {});
+// The same with the CSV read from the source itself, as its key `csv_key` (e.g. a bucket holding
+// train.csv beside the images: open_source("s3://b/xrays/") and "train.csv"). Errors name
+// source->describe(csv_key).
+ImageDataset make_csv_dataset(std::shared_ptr<ByteSource> source, const std::string& csv_key, DecodeFn decode,
+                              const CsvDatasetOptions& options = {});
 
 struct DatasetSplit {
   ImageDataset train;

@@ -39,6 +39,8 @@
 //   With skip_bad, such items are left out of their batch instead and counted (stats()); a batch
 //   whose items all fail is still an error (an empty batch has no shape, and dropping it would give
 //   ranks different step counts). Items of different shapes make their batch fail the same way.
+//   A failure of the storage itself (SourceError from the ByteSource: an S3 endpoint down, access
+//   denied) is never skipped: its batch fails with a SourceError, whatever skip_bad says.
 #pragma once
 
 #include <ATen/core/Tensor.h>

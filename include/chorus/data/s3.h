@@ -126,6 +126,8 @@ class S3Client {
   // One object's bytes, from the cache when present (keyed with etag; "" = key only).
   std::vector<std::uint8_t> get(const std::string& bucket, const std::string& key,
                                 const std::string& etag = "");
+  // The same for a listed object: a cached copy must also have the listed size.
+  std::vector<std::uint8_t> get(const std::string& bucket, const S3Object& object);
   // Many objects in parallel, result i for objects[i]. On the first failure the remaining GETs are
   // not started, those in flight finish (within their timeouts), and that failure is thrown.
   std::vector<std::vector<std::uint8_t>> get_many(const std::string& bucket,
