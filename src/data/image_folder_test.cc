@@ -114,8 +114,17 @@ TEST(ImageFolder, NoClassFolder) {
   } catch (const DataError& e) {
     EXPECT_NE(std::string(e.what()).find("couldn't find any class folder in " + tmp.path), std::string::npos);
   }
-  EXPECT_THROW(LocalByteSource(tmp.path + "/a.jpg"), DataError);
-  EXPECT_THROW(LocalByteSource(tmp.path + "/missing"), DataError);
+  // An unusable root: one line naming it and the reason.
+  auto root_error = [](const std::string& root) {
+    try {
+      LocalByteSource bad(root);
+    } catch (const DataError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(root_error(tmp.path + "/a.jpg"), "LocalByteSource: " + tmp.path + "/a.jpg is not a directory");
+  EXPECT_EQ(root_error(tmp.path + "/missing"), "LocalByteSource: " + tmp.path + "/missing: No such file or directory");
 }
 
 TEST(ImageFolder, LinkCycleIsAnError) {
