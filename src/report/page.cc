@@ -75,6 +75,10 @@ std::string caption(const Figure& f) {
            "loop's own code). Total above each bar.";
   }
   if (f.id == "throughput_vs_step") return "Samples per second over all workers, each step's slowest worker.";
+  if (f.id == "throughput_vs_workers") {
+    return "Each world size's samples/s (the runs table's, averaged over its runs), and linear scaling: the "
+           "smallest world size's rate times the number of workers.";
+  }
   return "";
 }
 

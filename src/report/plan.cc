@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <functional>
 #include <limits>
+#include <map>
 #include <set>
 #include <sstream>
 
@@ -244,6 +245,39 @@ std::vector<Figure> plan_figures(const std::vector<RunRecords>& runs) {
   line_figure("throughput_vs_step", "Throughput against step", "samples/s (all workers)", lines, false,
               step_field(&StepRecord::samples_per_s));
 
+  // Scaling: each world size's samples/s (the mean over its runs) beside linear scaling from the
+  // smallest one, when the runs have at least two world sizes.
+  std::map<int, std::pair<double, int>> by_world;  // world size -> (sum of samples/s, runs)
+  for (const RunRow& row : summarize_runs(runs)) {
+    if (row.world_size < 1 || !(row.samples_per_s > 0)) continue;
+    by_world[row.world_size].first += row.samples_per_s;
+    by_world[row.world_size].second += 1;
+  }
+  if (by_world.size() >= 2) {
+    Figure scaling;
+    scaling.id = "throughput_vs_workers";
+    scaling.title = "Throughput against workers";
+    scaling.xlabel = "workers";
+    scaling.ylabel = "samples/s (all workers)";
+    scaling.kind = Figure::Kind::kPoints;
+    Series measured, linear;
+    measured.label = "measured";
+    const int base_world = by_world.begin()->first;
+    const double base_rate = by_world.begin()->second.first / by_world.begin()->second.second;
+    linear.label = "linear scaling from " + std::to_string(base_world) + (base_world == 1 ? " worker" : " workers");
+    linear.color = 1;
+    for (const auto& [world, rate] : by_world) {
+      measured.x.push_back(world);
+      measured.y.push_back(rate.first / rate.second);
+      linear.x.push_back(world);
+      linear.y.push_back(base_rate * world / base_world);
+    }
+    scaling.y_from_zero = true;
+    scaling.xtics = measured.x;
+    scaling.series = {std::move(measured), std::move(linear)};
+    add(std::move(scaling));
+  }
+
   Figure bars;
   bars.id = "step_breakdown";
   bars.title = "Step time by phase (mean over steps)";
@@ -329,6 +363,12 @@ std::string gnuplot_script(const Figure& f, const FigureStyle& style) {
     return g.str();
   }
 
+  if (f.y_from_zero) g << "set yrange [0:*]\n";
+  if (!f.xtics.empty()) {
+    g << "set xtics (";
+    for (size_t i = 0; i < f.xtics.size(); ++i) g << (i ? ", " : "") << num(f.xtics[i]);
+    g << ")\nset offsets graph 0.05, graph 0.05, 0, 0\n";
+  }
   // A blank line in a data block breaks gnuplot's line there: between two drawn points that a
   // break lies between.
   auto block = [&](const std::string& name, const Series& s, const std::vector<double>& y,

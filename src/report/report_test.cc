@@ -217,7 +217,8 @@ TEST(PlanFigures, EveryRunOnEveryFigure) {
   std::vector<std::string> ids;
   for (const auto& f : figs) ids.push_back(f.id);
   EXPECT_EQ(ids, (std::vector<std::string>{"loss_vs_step", "loss_vs_time", "test_accuracy_vs_step",
-                                           "test_accuracy_vs_time", "throughput_vs_step", "step_breakdown"}));
+                                           "test_accuracy_vs_time", "throughput_vs_step", "throughput_vs_workers",
+                                           "step_breakdown"}));
   const Figure& loss = figs[0];
   ASSERT_EQ(loss.series.size(), 2u);
   EXPECT_EQ(loss.series[0].label, "job (1 worker)");
@@ -361,6 +362,28 @@ TEST(GnuplotScript, StackedBars) {
   EXPECT_NE(g.find("$bars using 7 title 'other'"), std::string::npos) << g;
 }
 
+TEST(PlanFigures, ThroughputAgainstWorkersWithLinearScaling) {
+  RunRecords one = make_run("job", 1, 10), two_a = make_run("job", 2, 10), two_b = make_run("job", 2, 10),
+             four = make_run("job", 4, 10);
+  one.summary = Summary{"finished", 10, 1000.0, 5, 6};
+  two_a.summary = Summary{"finished", 10, 1700.0, 3, 4};
+  two_b.summary = Summary{"finished", 10, 1900.0, 3, 4};
+  four.summary = Summary{"finished", 10, 3000.0, 3, 4};
+  const auto figs = plan_figures({two_a, four, one, two_b});
+  auto it = std::find_if(figs.begin(), figs.end(), [](const Figure& f) { return f.id == "throughput_vs_workers"; });
+  ASSERT_NE(it, figs.end());
+  ASSERT_EQ(it->series.size(), 2u);
+  EXPECT_EQ(it->series[0].x, (std::vector<double>{1, 2, 4}));
+  EXPECT_EQ(it->series[0].y, (std::vector<double>{1000, 1800, 3000}));  // two runs at W=2: their mean
+  EXPECT_EQ(it->series[1].label, "linear scaling from 1 worker");
+  EXPECT_EQ(it->series[1].y, (std::vector<double>{1000, 2000, 4000}));
+  const std::string script = gnuplot_script(*it);
+  EXPECT_NE(script.find("set xtics (1, 2, 4)"), std::string::npos) << script;
+  EXPECT_NE(script.find("set yrange [0:*]"), std::string::npos) << script;
+  // One world size: no scaling figure.
+  for (const auto& f : plan_figures({two_a, two_b})) EXPECT_NE(f.id, "throughput_vs_workers");
+}
+
 TEST(SummarizeRuns, SpeedupAgainstTheSmallestWorldSize) {
   RunRecords two = make_run("job", 2, 100);
   RunRecords one = make_run("job", 1, 100);
@@ -435,7 +458,7 @@ TEST(WriteReport, RealGnuplotDrawsEveryFigure) {
     EXPECT_TRUE(fs::exists(tmp.path / "out" / "figures" / ((*it)[1].str() + ".svg")));
     EXPECT_TRUE(fs::exists(tmp.path / "out" / "figures" / ((*it)[1].str() + ".gp")));
   }
-  EXPECT_EQ(ids.size(), 6u);
+  EXPECT_EQ(ids.size(), 7u);  // with throughput against workers: two world sizes
   EXPECT_EQ(html.find("<?xml"), std::string::npos);
   EXPECT_NE(html.find("id=\"fig-loss_vs_step-gnuplot_canvas\""), std::string::npos);
   EXPECT_NE(html.find("<text>job (2 workers)</text>"), std::string::npos);  // a legend entry

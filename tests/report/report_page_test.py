@@ -253,7 +253,10 @@ def check_page(info, runs):
     expected = ["loss_vs_step", "loss_vs_time"]
     for k in keys:
         expected += [re.sub(r"[^A-Za-z0-9_-]", "_", k) + "_vs_step", re.sub(r"[^A-Za-z0-9_-]", "_", k) + "_vs_time"]
-    expected += ["throughput_vs_step", "step_breakdown"]
+    expected += ["throughput_vs_step"]
+    if len({r["world"] for r in runs}) >= 2:
+        expected += ["throughput_vs_workers"]
+    expected += ["step_breakdown"]
     if list(figs) != expected:
         fail("figures %s, expected %s" % (list(figs), expected))
     if info["rows"] != len(runs):
@@ -277,6 +280,15 @@ def check_page(info, runs):
                     fail("step_breakdown's %r has %d filled boxes for %d runs" % (p["legend"], p["filled"], len(runs)))
             continue
         titled = [p for p in f["plots"] if p["legend"]]
+        if fid == "throughput_vs_workers":
+            worlds = sorted({r["world"] for r in runs})
+            legends = [p["legend"] for p in titled]
+            if len(legends) != 2 or legends[0] != "measured" or not legends[1].startswith("linear scaling from"):
+                fail("throughput_vs_workers has legend entries %s, expected measured and linear scaling" % legends)
+            for p in titled:
+                if p["points"] < len(worlds):
+                    fail("throughput_vs_workers: %r has %d points for %d world sizes" % (p["legend"], p["points"], len(worlds)))
+            continue
         if len(titled) != len(runs):
             fail("%s has %d legend entries for %d runs: %s" % (fid, len(titled), len(runs), [p["legend"] for p in titled]))
         for i, r in enumerate(runs):

@@ -131,10 +131,15 @@ struct Figure {
   // kStackedBars: one bar per run (categories, the runs' labels), one segment per series (the
   // phases), series[i].y[j] = run j's mean of phase i.
   std::vector<std::string> categories;
+  // Line and point figures: the y axis starts at 0; x tics only at these values (none: gnuplot's).
+  bool y_from_zero = false;
+  std::vector<double> xtics;
 };
 
 // The page's figures, in page order: loss against step and against wall time, each user scalar
-// against step and wall time, throughput against step, the step-time breakdown. Every run with
+// against step and wall time, throughput against step, throughput against workers (when the runs
+// have two or more world sizes: each size's mean samples/s, and linear scaling from the smallest),
+// the step-time breakdown. Every run with
 // data is one series of a line figure; a figure no run has data for is left out. Wall time is in
 // seconds, or minutes when the longest run is over 20 minutes.
 //
