@@ -45,7 +45,22 @@ ImageFolderListing list_image_folder(const std::vector<std::string>& keys, const
     if (slash != std::string::npos && slash > 0) classes.insert(key.substr(0, slash));
   }
   if (classes.empty()) throw DataError("ImageFolder: couldn't find any class folder in " + where);
-  out.classes.assign(classes.begin(), classes.end());
+  const std::string root = !where.empty() && where.back() == '/' ? where : where + "/";
+  if (options.classes.empty()) {
+    out.classes.assign(classes.begin(), classes.end());
+  } else {
+    std::vector<std::string> missing;
+    std::set<std::string> chosen;
+    for (const auto& name : options.classes) {
+      if (!chosen.insert(name).second) throw UsageError("ImageFolder: class '" + name + "' is chosen twice");
+      if (classes.count(name) == 0) missing.push_back(name);
+    }
+    if (!missing.empty()) {
+      throw DataError("ImageFolder: no class folder " + join(missing, ", ") + " in " + where + " (it has " +
+                      join(std::vector<std::string>(classes.begin(), classes.end()), ", ") + ")");
+    }
+    out.classes = options.classes;
+  }
   for (size_t i = 0; i < out.classes.size(); ++i) out.class_to_idx[out.classes[i]] = static_cast<int64_t>(i);
 
   // make_dataset: per class, files ordered by (directory path, file name), as sorted(os.walk()).
@@ -57,12 +72,13 @@ ImageFolderListing list_image_folder(const std::vector<std::string>& keys, const
     const auto last = key.rfind('/');
     if (!has_extension(key.substr(last + 1), options.extensions)) continue;
     const auto cls = out.class_to_idx.find(key.substr(0, first));
+    if (cls == out.class_to_idx.end()) continue;  // a class left out by ImageFolderOptions::classes
     files[static_cast<size_t>(cls->second)].emplace_back(key.substr(0, last), key.substr(last + 1));
   }
   std::vector<std::string> empty;
   for (size_t c = 0; c < files.size(); ++c) {
     auto& list = files[c];
-    if (list.empty()) empty.push_back(where + "/" + out.classes[c]);
+    if (list.empty()) empty.push_back(root + out.classes[c]);
     std::sort(list.begin(), list.end());
     for (auto& [dir, name] : list) out.samples.emplace_back(dir + "/" + name, static_cast<int64_t>(c));
   }

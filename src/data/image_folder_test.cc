@@ -127,6 +127,29 @@ TEST(ImageFolder, NoClassFolder) {
   EXPECT_EQ(root_error(tmp.path + "/missing"), "LocalByteSource: " + tmp.path + "/missing: No such file or directory");
 }
 
+TEST(ImageFolder, ChosenClassesInTheirOrder) {
+  const std::vector<std::string> keys = {"cat/", "cat/1.png", "cat/0.png", "dog/", "dog/a/2.jpg", "emu/", "emu/3.png",
+                                         "owl/"};  // owl is empty, but not chosen
+  ImageFolderOptions o;
+  o.classes = {"emu", "cat"};
+  const ImageFolderListing l = list_image_folder(keys, "/data", o);
+  EXPECT_EQ(l.classes, (std::vector<std::string>{"emu", "cat"}));
+  EXPECT_EQ(l.class_to_idx.at("cat"), 1);
+  using S = std::vector<std::pair<std::string, int64_t>>;
+  EXPECT_EQ(l.samples, (S{{"emu/3.png", 0}, {"cat/0.png", 1}, {"cat/1.png", 1}}));
+  o.classes = {"cat", "yak", "zebu"};
+  try {
+    list_image_folder(keys, "/data", o);
+    FAIL() << "no error";
+  } catch (const DataError& e) {
+    EXPECT_STREQ(e.what(), "ImageFolder: no class folder yak, zebu in /data (it has cat, dog, emu, owl)");
+  }
+  o.classes = {"cat", "cat"};
+  EXPECT_THROW(list_image_folder(keys, "/data", o), UsageError);
+  o.classes = {"owl"};
+  EXPECT_THROW(list_image_folder(keys, "/data", o), DataError);  // chosen and empty
+}
+
 TEST(ImageFolder, LinkCycleIsAnError) {
   TempDir tmp;
   touch(tmp.path + "/cat/a.jpg");

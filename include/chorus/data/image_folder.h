@@ -36,6 +36,10 @@ const std::vector<std::string>& image_extensions();
 
 struct ImageFolderOptions {
   std::vector<std::string> extensions = image_extensions();  // lower case, with the dot
+  // Only these class folders, in this order (class index = position), e.g. half the classes for
+  // pretraining and the other half for transfer. Empty: every folder, sorted (torchvision's). A
+  // name with no folder is a DataError listing the folders found; a name twice, a UsageError.
+  std::vector<std::string> classes;
 };
 
 struct ImageFolderListing {
