@@ -323,6 +323,26 @@ TEST(S3SourceServer, KilledMidEpochFailsTheLoopEvenWithSkipBad) {
   EXPECT_LT(took, 15s);
 }
 
+// `chorus data upload DIR s3://...` copies a tree that then reads back as the same dataset.
+TEST_F(S3SourceTest, UploadToolCopiesATreeThatReadsBackAsTheSameDataset) {
+  const std::string env = "AWS_ACCESS_KEY_ID=S3RVER AWS_SECRET_ACCESS_KEY=S3RVER AWS_ENDPOINT_URL=" +
+                          server_->endpoint + " ";
+  int status = -1;
+  const std::string out = chorus::testing::run_capture(
+      env + CHORUS_BIN " data upload " + local_root() + " s3://" + kBucket + "/uploaded --parallel 4 2>&1", &status);
+  ASSERT_EQ(status, 0) << out;
+  EXPECT_NE(out.find("24 files"), std::string::npos) << out;
+  auto s3 = make_s3_image_folder(std::string("s3://") + kBucket + "/uploaded/", decoder(), server_->options());
+  auto local = make_image_folder(std::make_shared<LocalByteSource>(local_root()), decoder());
+  auto from_s3 = one_rank_loader(s3, loader_options());
+  auto from_disk = one_rank_loader(local, loader_options());
+  expect_same_batches(one_pass(from_s3), one_pass(from_disk));
+  const std::string bad = chorus::testing::run_capture(
+      env + CHORUS_BIN " data upload " + local_root() + "/none s3://" + kBucket + "/x 2>&1", &status);
+  EXPECT_EQ(WEXITSTATUS(status), 2) << bad;
+  EXPECT_NE(bad.find("is not a directory"), std::string::npos) << bad;
+}
+
 TEST(S3SourceUnit, OpenSourcePicksByLocation) {
   testing::TempDir dir;
   S3Options o;

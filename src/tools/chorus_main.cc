@@ -20,6 +20,7 @@
 #include "chorus/launch/launcher.h"
 #include "chorus/report/report.h"
 #include "render_fashion_mnist.h"
+#include "s3_upload.h"
 
 namespace {
 
@@ -135,6 +136,10 @@ int main(int argc, char** argv) {
   CLI::App* render_cmd = data->add_subcommand(
       "render-fashion-mnist", "write Fashion-MNIST as image files (an ImageFolder tree) and CSV datasets");
   chorus::tools::add_render_options(*render_cmd, render);
+  chorus::tools::UploadArgs upload;
+  CLI::App* upload_cmd = data->add_subcommand(
+      "upload", "copy a local tree into s3://BUCKET/PREFIX (AWS_* variables give credentials and endpoint)");
+  chorus::tools::add_upload_options(*upload_cmd, upload);
 
   std::vector<std::string> program;
   std::vector<std::string> args = split_program(std::vector<std::string>(argv, argv + argc), *run, &program);
@@ -171,6 +176,7 @@ int main(int argc, char** argv) {
     }
     if (b->parsed()) return chorus::tools::run_bench(bench);
     if (render_cmd->parsed()) return chorus::tools::run_render_fashion_mnist(render);
+    if (upload_cmd->parsed()) return chorus::tools::run_upload(upload);
     if (rep->parsed()) {
       report.gnuplot_timeout = std::chrono::milliseconds(static_cast<int64_t>(gnuplot_timeout_s * 1000));
       try {
