@@ -262,6 +262,18 @@ TEST(StateDictFiles, UnreadableFilesAreNamed) {
   } catch (const StateDictError& e) {
     EXPECT_NE(std::string(e.what()).find(dir.path + "/text.pt is not in torch.save's zip format"), std::string::npos);
   }
+  // A torch.save archive cut short: an error naming the file, not a crash.
+  save_state_dict(*m, dir.path + "/whole.pt");
+  std::filesystem::copy_file(dir.path + "/whole.pt", dir.path + "/cut.pt");
+  std::filesystem::resize_file(dir.path + "/cut.pt", std::filesystem::file_size(dir.path + "/whole.pt") / 2);
+  try {
+    read_state_dict(dir.path + "/cut.pt");
+    FAIL();
+  } catch (const StateDictError& e) {
+    EXPECT_NE(std::string(e.what()).find(dir.path + "/cut.pt is not a readable torch.save archive: "),
+              std::string::npos)
+        << e.what();
+  }
   const std::vector<char> bytes = torch::pickle_save(torch::ones({2}));
   std::ofstream(dir.path + "/tensor.pt", std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   try {
