@@ -105,7 +105,7 @@ TEST(ResNetLayout, OptionsShapeTheModel) {
 TEST(ResNetInit, TorchvisionsInitAndZeroInitResidual) {
   ResNet m = make(50);
   // kaiming_normal, fan_out, relu: std = sqrt(2 / (out_channels * k * k)).
-  const auto& w = m->layer3->named_parameters()["0.conv2.weight"];
+  const torch::Tensor w = m->layer3->named_parameters()["0.conv2.weight"];
   const double expected = std::sqrt(2.0 / (256 * 9));
   EXPECT_NEAR(w.std().item<double>(), expected, 0.05 * expected);
   EXPECT_TRUE(torch::equal(m->bn1->weight, torch::ones({64})));

@@ -84,16 +84,18 @@ ResidualBlockImpl::ResidualBlockImpl(bool bottleneck, int64_t in_planes, int64_t
   }
 }
 
+// ReLUs in place, as torchvision's (nn.ReLU(inplace=True)): BatchNorm's backward does not need its
+// output, and the sum is a fresh tensor.
 torch::Tensor ResidualBlockImpl::forward(const torch::Tensor& x) {
-  torch::Tensor out = torch::relu(bn1(conv1(x)));
+  torch::Tensor out = bn1(conv1(x)).relu_();
   if (bottleneck_) {
-    out = torch::relu(bn2(conv2(out)));
+    out = bn2(conv2(out)).relu_();
     out = bn3(conv3(out));
   } else {
     out = bn2(conv2(out));
   }
   out += downsample ? downsample->forward(x) : x;
-  return torch::relu(out);
+  return out.relu_();
 }
 
 std::vector<int> resnet_stage_blocks(int depth) {
@@ -153,7 +155,7 @@ ResNetImpl::ResNetImpl(const ResNetOptions& options) : options_(options) {
 }
 
 torch::Tensor ResNetImpl::forward_features(const torch::Tensor& x) {
-  torch::Tensor h = torch::relu(bn1(conv1(x)));
+  torch::Tensor h = bn1(conv1(x)).relu_();
   h = torch::max_pool2d(h, /*kernel_size=*/3, /*stride=*/2, /*padding=*/1);
   h = layer4->forward(layer3->forward(layer2->forward(layer1->forward(h))));
   return torch::adaptive_avg_pool2d(h, {1, 1}).flatten(1);
