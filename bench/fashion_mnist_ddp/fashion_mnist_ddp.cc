@@ -8,7 +8,7 @@
 //   --bind-cpu                pin each rank to one CPU (bench/compare-ddp)
 //   --fail-at-step N          the last rank throws after step N (launcher and restart tests)
 //   --metrics-json FILE       rank 0's summary: samples/s, step times, DDP's comm figures
-//   --model cnn|mlp, --eval-limit, --log-every, --checkpoint-dir, --checkpoint-every, --no-checkpoint
+//   --model cnn|mlp|resnet18, --eval-limit, --log-every, --checkpoint-dir, --checkpoint-every, --no-checkpoint
 //
 //   build/bin/fashion_mnist_ddp --nproc 2               # starts 2 local ranks itself
 //   RANK=.. WORLD_SIZE=.. MASTER_ADDR=.. MASTER_PORT=.. build/bin/fashion_mnist_ddp   # one rank of a job
@@ -20,6 +20,7 @@
 // benchmark knobs are no part of the example's interface; start from examples/fashion_mnist.
 #include <CLI/CLI.hpp>
 #include <torch/nn/functional/loss.h>
+#include <torch/nn/functional/upsampling.h>
 #include <torch/optim/sgd.h>
 #include <torch/utils.h>
 #include <dlfcn.h>
@@ -46,6 +47,7 @@
 #include "chorus/ddp/ddp.h"
 #include "chorus/torch/distributed.h"
 #include "chorus/train/accelerator.h"
+#include "chorus/models/resnet.h"
 #include "chorus/train/checkpoint.h"
 #include "idx.h"
 #include "models.h"
@@ -55,6 +57,34 @@ namespace {
 
 namespace dist = chorus::dist;
 using Clock = std::chrono::steady_clock;
+
+// bench/compare-resnet's network: chorus::models' ResNet-18 (one input channel, 10 classes) on the
+// images upsampled to 64 px per batch (bilinear), log-softmax for the harness's NLL loss. The
+// Python side of bench/compare-ddp builds the same from torchvision.
+constexpr int64_t kResnetImageSize = 64;
+struct Resnet18 : Classifier {
+  Resnet18() {
+    chorus::models::ResNetOptions o;
+    o.depth = 18;
+    o.in_channels = 1;
+    o.num_classes = 10;
+    net = register_module("net", chorus::models::ResNet(o));
+  }
+  at::Tensor forward(at::Tensor x) override {
+    namespace F = torch::nn::functional;
+    x = F::interpolate(x, F::InterpolateFuncOptions()
+                              .size(std::vector<int64_t>{kResnetImageSize, kResnetImageSize})
+                              .mode(torch::kBilinear)
+                              .align_corners(false));
+    return torch::log_softmax(net->forward(x), 1);
+  }
+  chorus::models::ResNet net{nullptr};
+};
+
+std::shared_ptr<Classifier> make_bench_model(const std::string& name) {
+  if (name == "resnet18") return std::make_shared<Resnet18>();
+  return make_model(name);
+}
 
 struct Config {
   int nproc = 0;
@@ -236,7 +266,7 @@ void run_rank(const Config& cfg) {
   const int64_t eval_n = cfg.eval_limit > 0 ? std::min(cfg.eval_limit, test.size()) : test.size();
 
   torch::manual_seed(cfg.seed);  // the same initial weights everywhere (DDP broadcasts rank 0's anyway)
-  std::shared_ptr<Classifier> model = make_model(cfg.model);
+  std::shared_ptr<Classifier> model = make_bench_model(cfg.model);
   chorus::ddp::Options ddp_options;
   ddp_options.bucket_cap_mb = cfg.bucket_cap_mb;
   ddp_options.gradient_as_bucket_view = cfg.bucket_view;
@@ -509,7 +539,7 @@ int main(int argc, char** argv) {
   app.add_option("--lr", cfg.lr, "SGD learning rate")->check(fashion_mnist::finite_in(0, 1000))->capture_default_str();
   app.add_option("--momentum", cfg.momentum, "SGD momentum")->check(fashion_mnist::finite_in(0, 1))
       ->capture_default_str();
-  app.add_option("--model", cfg.model, "network")->check(CLI::IsMember({"cnn", "mlp"}))->capture_default_str();
+  app.add_option("--model", cfg.model, "network")->check(CLI::IsMember({"cnn", "mlp", "resnet18"}))->capture_default_str();
   app.add_option("--threads", cfg.threads, "intra-op threads per rank")->check(CLI::Range(1, 1024))
       ->capture_default_str();
   app.add_option("--seed", cfg.seed, "seed of the weights, the data order and dropout")->capture_default_str();
