@@ -8,7 +8,8 @@ Every training run is `chorus run -n 2 transfer ... --threads 1` in a scratch wo
 2. Pretraining: ResNet-18 on classes 0-4 (T-shirt_top .. Coat), the network saved.
 3. Transfer: classes 5-9 (Sandal .. Ankle_boot) from SHOTS images per class, the backbone loaded
    and frozen, only the new head trained; and the same network from scratch on the same images.
-   Transfer must beat scratch by MARGIN in final test accuracy (exact, over all test images).
+   Transfer's final test accuracy (exact, over all test images) must beat scratch's best epoch
+   by MARGIN.
 4. The transfer run again: the same accuracy at every epoch, to the last digit (fixed seed).
 5. The tree uploaded to s3rver on loopback (`chorus data upload`) and the transfer run read from
    s3://: the same accuracies as from the directory.
@@ -25,9 +26,13 @@ import subprocess
 import sys
 import tempfile
 
-LIMIT = 300  # images per class in train/ and in test/
-SHOTS = 10
-MARGIN = 0.05  # measured: see README (transfer minus scratch)
+LIMIT = 600  # images per class in train/ and in test/
+SHOTS = 50  # training images per class for transfer and scratch
+EPOCHS = 10
+# Measured on 2026-11-24: transfer ends at 79.3%, scratch's best epoch is 61.8% (final 52.0%): a
+# 17.5-point margin. Scratch on 250 images swings by 10-20 points between epochs, so the test
+# compares transfer's final epoch with scratch's best one.
+MARGIN = 0.10
 OLD = "T-shirt_top,Trouser,Pullover,Dress,Coat"
 NEW = "Sandal,Shirt,Sneaker,Bag,Ankle_boot"
 
@@ -74,21 +79,21 @@ def main():
                    "--overwrite", *args]
             return run(cmd, work, env=env)
 
-        train("pretrain", "--classes", OLD, "--epochs", "3", "--save", "backbone.pt")
+        train("pretrain", "--classes", OLD, "--epochs", "4", "--save", "backbone.pt")
         pre = accuracies(work, "pretrain")
-        check(len(pre) == 3 and pre[-1] > 0.6, f"pretraining accuracy per epoch {pre}")
+        check(len(pre) == 4 and pre[-1] > 0.6, f"pretraining accuracy per epoch {pre}")
         print(f"PASS: pretraining on classes 0-4: test accuracy {pre}", flush=True)
 
-        few = ["--classes", NEW, "--shots", str(SHOTS), "--epochs", "8"]
+        few = ["--classes", NEW, "--shots", str(SHOTS), "--epochs", str(EPOCHS)]
         train("transfer", *few, "--init", "backbone.pt", "--freeze-backbone")
         train("scratch", *few)
         tr, sc = accuracies(work, "transfer"), accuracies(work, "scratch")
-        check(len(tr) == 8 and len(sc) == 8, f"epochs recorded: transfer {tr}, scratch {sc}")
+        check(len(tr) == EPOCHS and len(sc) == EPOCHS, f"epochs recorded: transfer {tr}, scratch {sc}")
         print(f"transfer {tr}\nscratch  {sc}", flush=True)
-        check(tr[-1] >= sc[-1] + MARGIN,
-              f"transfer {tr[-1]:.4f} does not beat scratch {sc[-1]:.4f} by {MARGIN} on {SHOTS} images per class")
-        print(f"PASS: transfer {tr[-1]:.4f} beats scratch {sc[-1]:.4f} (margin {tr[-1] - sc[-1]:.4f} >= {MARGIN})",
-              flush=True)
+        check(tr[-1] >= max(sc) + MARGIN,
+              f"transfer {tr[-1]:.4f} does not beat scratch's best {max(sc):.4f} by {MARGIN} on {SHOTS} images per class")
+        print(f"PASS: transfer {tr[-1]:.4f} beats scratch's best epoch {max(sc):.4f} (margin {tr[-1] - max(sc):.4f} >= "
+              f"{MARGIN})", flush=True)
 
         train("transfer-again", *few, "--init", "backbone.pt", "--freeze-backbone")
         again = accuracies(work, "transfer-again")
