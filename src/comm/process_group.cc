@@ -26,25 +26,8 @@ namespace {
 
 using net::Clock;
 
-uint8_t classify(const std::exception& e) {
-  if (dynamic_cast<const TimeoutError*>(&e)) return transport::kErrTimeout;
-  if (dynamic_cast<const PeerError*>(&e)) return transport::kErrPeer;
-  if (dynamic_cast<const MismatchError*>(&e)) return transport::kErrMismatch;
-  if (dynamic_cast<const HandshakeError*>(&e)) return transport::kErrHandshake;
-  if (dynamic_cast<const UsageError*>(&e)) return transport::kErrUsage;
-  return transport::kErrOther;
-}
-
-std::exception_ptr make_error(uint8_t cls, const std::string& msg) {
-  switch (cls) {
-    case transport::kErrTimeout: return std::make_exception_ptr(TimeoutError(msg));
-    case transport::kErrPeer: return std::make_exception_ptr(PeerError(msg));
-    case transport::kErrMismatch: return std::make_exception_ptr(MismatchError(msg));
-    case transport::kErrHandshake: return std::make_exception_ptr(HandshakeError(msg));
-    case transport::kErrUsage: return std::make_exception_ptr(UsageError(msg));
-    default: return std::make_exception_ptr(Error(msg));
-  }
-}
+using transport::error_class_of;
+using transport::make_error;
 
 class WorkImpl;
 
@@ -229,7 +212,7 @@ struct ProcessGroup::Impl final : InlineRunner {
       task.run(*task.work, task.call);
       task.work->finish(nullptr);
     } catch (const std::exception& e) {
-      uint8_t cls = classify(e);
+      uint8_t cls = error_class_of(e);
       broken_msg = e.what();
       broken_class = cls;
       broken.store(true, std::memory_order_release);
@@ -456,7 +439,7 @@ ProcessGroup::ProcessGroup(std::shared_ptr<Store> store, int rank, int size, Pro
     const std::string what = e.what();
     const std::string prefix = "chorus: rank " + std::to_string(rank) + ": group '" + options.group_name + "' setup: ";
     const std::string msg = what.rfind("chorus: rank", 0) == 0 ? what : prefix + what;
-    std::rethrow_exception(make_error(classify(e), msg));
+    std::rethrow_exception(make_error(error_class_of(e), msg));
   }
   m.transport->set_spin_gate(&m.waiters);
   m.worker = std::thread([this] { impl_->loop(); });

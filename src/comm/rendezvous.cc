@@ -21,6 +21,7 @@
 #include "chorus/comm/spawn.h"
 #include "chorus/comm/tcp_store.h"
 #include "cluster_env.h"
+#include "error_class.h"
 
 extern char** environ;  // POSIX; <unistd.h> declares it only with _GNU_SOURCE
 
@@ -150,13 +151,7 @@ int require_arg_or_param(const Url& url, int arg, const char* param, int lo) {
 
 // Rethrows `e` with `context` appended, keeping its type.
 [[noreturn]] void rethrow_with(const Error& e, const std::string& context) {
-  const std::string what = e.what() + context;
-  if (dynamic_cast<const TimeoutError*>(&e) != nullptr) throw TimeoutError(what);
-  if (dynamic_cast<const HandshakeError*>(&e) != nullptr) throw HandshakeError(what);
-  if (dynamic_cast<const PeerError*>(&e) != nullptr) throw PeerError(what);
-  if (dynamic_cast<const UsageError*>(&e) != nullptr) throw UsageError(what);
-  if (dynamic_cast<const MismatchError*>(&e) != nullptr) throw MismatchError(what);
-  throw Error(what);
+  transport::throw_error(transport::error_class_of(e), e.what() + context);
 }
 
 // "host:port" or "[v6]:port".

@@ -276,9 +276,17 @@ class ShmTransport final : public ShmTransportApi {
     while (o_.store->add(count, 0) < n) {
       if (Clock::now() > o_.deadline) throw TimeoutError(me() + ": shared-memory setup timed out waiting for the other ranks to map");
       for (int r = 0; r < n; ++r) {
-        if (r != o_.rank && (gone(r) || segs_[static_cast<size_t>(r)].hdr->state.load(std::memory_order_acquire) != kLive)) {
-          throw PeerError(me() + ": " + peer_name(r) + " failed or exited during shared-memory setup");
+        if (r == o_.rank) continue;
+        SegHeader* ph = segs_[static_cast<size_t>(r)].hdr;
+        const uint32_t st = ph->state.load(std::memory_order_acquire);
+        if (!gone(r) && st == kLive) continue;
+        // A peer that saw the last rank map has finished setup and may already have failed in its
+        // first operation: then setup is complete here too, and that operation reports the failure.
+        if (o_.store->add(count, 0) >= n) break;
+        if (st == kAborted) {
+          throw_error(ph->error_class, me() + ": " + peer_name(r) + " failed during shared-memory setup: " + ph->message);
         }
+        throw PeerError(me() + ": " + peer_name(r) + " failed or exited during shared-memory setup");
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
@@ -902,13 +910,7 @@ class ShmTransport final : public ShmTransportApi {
       SegHeader* h = segs_[static_cast<size_t>(p)].hdr;
       uint32_t st = h->state.load(std::memory_order_acquire);
       if (st == kAborted) {
-        std::string msg = prefix() + ": failed because " + peer_name(p) + " failed: " + h->message;
-        switch (h->error_class) {
-          case kErrTimeout: throw TimeoutError(msg);
-          case kErrPeer: throw PeerError(msg);
-          case kErrMismatch: throw MismatchError(msg);
-          default: throw Error(msg);
-        }
+        throw_error(h->error_class, prefix() + ": failed because " + peer_name(p) + " failed: " + h->message);
       }
       check_same_call(p, /*strict=*/false);
       if (!waiting_on(p)) continue;  // a peer that finished and left owes this rank nothing

@@ -34,6 +34,7 @@ using net::Deadline;
 
 constexpr size_t kInboxBytes = 64 * 1024;     // read-ahead buffer per connection
 constexpr size_t kDirectReadBytes = 32 * 1024; // payload tails this large are read in place
+constexpr std::chrono::milliseconds kRelayWait(500);  // how long a failing peer's abort is looked for
 
 struct Conn {
   int peer = -1;
@@ -215,13 +216,32 @@ class TcpTransport final : public Transport {
 
   // A peer that failed sends an abort message before it shuts its side down; if one is waiting
   // between messages on this connection, raise the peer's own error, which names the root cause.
+  // A peer that fails finishes the message it is sending before its abort (say_to_all), and
+  // messages this rank has not asked for yet may be queued ahead of it: they are skipped (the
+  // operation fails anyway), for at most kRelayWait.
   void relay_abort(Conn& c) {
     if (relaying_ || !c.rx.valid()) return;
-    if (!c.recvs.empty() && c.recvs.front().have_header) return;  // mid-message: no abort can follow
     relaying_ = true;
-    bool eof = false;
+    const Deadline dl = Clock::now() + kRelayWait;
     try {
-      while (c.inbox_size() < sizeof(wire::Header) && fill_inbox(c, sizeof(wire::Header), &eof) > 0) {
+      size_t skip = 0;  // payload bytes of the message being received still to come
+      if (!c.recvs.empty() && c.recvs.front().have_header) skip = c.recvs.front().n - c.recvs.front().got;
+      for (bool eof = false;;) {
+        const size_t k = std::min(skip, c.inbox_size());
+        c.in_begin += k;
+        skip -= k;
+        if (skip == 0 && c.inbox_size() >= sizeof(wire::Header)) {
+          const wire::Header h = peek_header(c);
+          if (h.magic != wire::kMessageMagic || h.kind != wire::Kind::kData) break;  // control: read below
+          c.in_begin += sizeof(h);
+          skip = h.payload;
+          continue;
+        }
+        if (eof || Clock::now() >= dl) break;
+        if (fill_inbox(c, skip > 0 ? std::min(skip, kInboxBytes) : sizeof(wire::Header), &eof) == 0 && !eof) {
+          pollfd p{c.rx.get(), POLLIN, 0};
+          ::poll(&p, 1, 1);
+        }
       }
     } catch (const Error&) {
     }
@@ -297,15 +317,7 @@ class TcpTransport final : public Transport {
       net::read_full(c.rx.get(), text.data() + have, text.size() - have,
                      Clock::now() + std::chrono::milliseconds(500));
     }
-    std::string msg = prefix() + ": failed because " + peer_name(c.peer) + " failed: " + text;
-    switch (h.arg) {
-      case kErrTimeout: throw TimeoutError(msg);
-      case kErrPeer: throw PeerError(msg);
-      case kErrMismatch: throw MismatchError(msg);
-      case kErrHandshake: throw HandshakeError(msg);
-      case kErrUsage: throw UsageError(msg);
-      default: throw Error(msg);
-    }
+    throw_error(h.arg, prefix() + ": failed because " + peer_name(c.peer) + " failed: " + text);
   }
 
   // Makes what progress is possible on c's receives without blocking. Returns true if any.

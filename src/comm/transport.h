@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "error_class.h"
 #include "message.h"
 #include "socket.h"
 
@@ -104,16 +105,6 @@ class Transport {
   // Says goodbye to every peer and closes: peers that still wait on this rank get a PeerError
   // saying this rank closed its group.
   virtual void close() = 0;
-};
-
-// Error classes carried by abort messages, so the peer rethrows the same exception type.
-enum ErrorClass : uint8_t {
-  kErrOther = 0,
-  kErrTimeout = 1,
-  kErrPeer = 2,
-  kErrMismatch = 3,
-  kErrHandshake = 4,
-  kErrUsage = 5,
 };
 
 struct TcpOptions {
