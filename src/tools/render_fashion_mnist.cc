@@ -180,6 +180,70 @@ void add_render_options(CLI::App& app, RenderArgs& args) {
   app.add_option("--quality", args.quality, "JPEG quality")->check(CLI::Range(1, 100))->capture_default_str();
 }
 
+void add_pairs_options(CLI::App& app, PairsArgs& args) {
+  app.add_option("OUT_DIR", args.out_dir, "output directory: OUT_DIR/pairs.csv and OUT_DIR/pairs/<index>.png|jpg")
+      ->required();
+  app.add_option("--data", args.data_dir, "directory of the IDX files (gzipped or not)")->capture_default_str();
+  app.add_option("--count", args.count, "pairs to write (items 2i and 2i+1 of the training split make pair i)")
+      ->check(CLI::Range(int64_t{1}, int64_t{30000}))
+      ->capture_default_str();
+  app.add_option("--size", args.size, "each item's side in pixels (28, 64 or 224); the image is SIZE x 2*SIZE")
+      ->check(CLI::IsMember({28, 64, 224}))
+      ->capture_default_str();
+  app.add_option("--format", args.format, "png or jpeg")->check(CLI::IsMember({"png", "jpeg"}))->capture_default_str();
+  app.add_option("--per-group", args.per_group, "consecutive pairs that share a group value (a 'patient')")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--quality", args.quality, "JPEG quality")->check(CLI::Range(1, 100))->capture_default_str();
+}
+
+// Pair i: items 2i and 2i+1 of the training split (whose order is already random), left and
+// right. Its labels: 1 for each of the two items' classes (one class when both share it).
+int run_render_fashion_mnist_pairs(const PairsArgs& args) {
+  const Idx images = read_idx(args.data_dir, "train-images-idx3-ubyte", 3);
+  const Idx labels = read_idx(args.data_dir, "train-labels-idx1-ubyte", 1);
+  const auto available = static_cast<int64_t>(std::min(images.shape[0], labels.shape[0]) / 2);
+  if (args.count > available) {
+    throw Error(args.data_dir + ": --count " + std::to_string(args.count) + " needs " +
+                std::to_string(2 * args.count) + " training items; there are " + std::to_string(2 * available));
+  }
+  fs::create_directories(args.out_dir + "/pairs");
+  const std::string csv_path = args.out_dir + "/pairs.csv";
+  std::ofstream csv(csv_path);
+  if (!csv) throw Error("cannot create " + csv_path + ": " + std::strerror(errno));
+  csv << "path";
+  for (const char* c : kClasses) csv << "," << c;
+  csv << ",patient\n";
+  const int s = args.size;
+  for (int64_t i = 0; i < args.count; ++i) {
+    data::Image pair(s, 2 * s, 1);
+    std::array<bool, 10> present{};
+    for (int64_t half = 0; half < 2; ++half) {
+      const int64_t item = 2 * i + half;
+      const uint8_t label = labels.data[static_cast<size_t>(item)];
+      if (label > 9) throw Error(args.data_dir + ": label " + std::to_string(label) + " at item " + std::to_string(item));
+      present[label] = true;
+      data::Image img(28, 28, 1);
+      std::memcpy(img.pixels.data(), images.data.data() + item * 28 * 28, 28 * 28);
+      if (s != 28) img = data::resize(img, s, s);
+      for (int y = 0; y < s; ++y) {
+        std::memcpy(pair.pixels.data() + (static_cast<size_t>(y) * 2 * s + static_cast<size_t>(half * s)),
+                    img.pixels.data() + static_cast<size_t>(y) * s, static_cast<size_t>(s));
+      }
+    }
+    const std::string rel = "pairs/" + zero_padded(i) + (args.format == "png" ? ".png" : ".jpg");
+    data::write_file(args.out_dir + "/" + rel,
+                     args.format == "png" ? data::encode_png(pair) : data::encode_jpeg(pair, args.quality));
+    csv << rel;
+    for (bool p : present) csv << "," << (p ? 1 : 0);
+    csv << ",p" << zero_padded(i / args.per_group) << "\n";
+  }
+  if (!csv.flush()) throw Error("cannot write " + csv_path);
+  std::printf("chorus data render-fashion-mnist-pairs: wrote %lld pairs (%dx%d, %s) and %s\n",
+              static_cast<long long>(args.count), s, 2 * s, args.format.c_str(), csv_path.c_str());
+  return 0;
+}
+
 int run_render_fashion_mnist(const RenderArgs& args) {
   fs::create_directories(args.out_dir);
   const int64_t train = render_split(args, true);
