@@ -139,6 +139,7 @@ struct ProcessGroup::Impl final : InlineRunner {
   int size;
   ProcessGroupOptions opts;
   std::unique_ptr<transport::Transport> transport;
+  transport::NativeCollectives* native = nullptr;  // transport's own collectives, if it has any
   algo::Scratch scratch;
   algo::Tuning tune;
 
@@ -442,6 +443,7 @@ ProcessGroup::ProcessGroup(std::shared_ptr<Store> store, int rank, int size, Pro
     std::rethrow_exception(make_error(error_class_of(e), msg));
   }
   m.transport->set_spin_gate(&m.waiters);
+  m.native = m.transport->native();
   m.worker = std::thread([this] { impl_->loop(); });
 }
 
@@ -474,7 +476,7 @@ std::shared_ptr<Work> ProcessGroup::allreduce(void* data, size_t count, DataType
   m.check_buffer(data, count, "allreduce");
   element_size(dtype);
   return m.enqueue(OpType::kAllreduce, dtype, op, count, 0, [&m, data, count, dtype, op](WorkImpl&, const Call& c) {
-    if (m.size > 1 && m.transport->native_allreduce(data, count, dtype, op)) return;
+    if (m.size > 1 && m.native != nullptr && m.native->allreduce(data, count, dtype, op)) return;
     algo::allreduce(*m.transport, m.scratch, m.tune, c, data, count, dtype, op);
   });
 }
@@ -485,7 +487,7 @@ std::shared_ptr<Work> ProcessGroup::broadcast(void* data, size_t count, DataType
   m.check_root(root, "broadcast");
   const size_t bytes = count * element_size(dtype);
   return m.enqueue(OpType::kBroadcast, dtype, ReduceOp::kSum, count, root, [&m, data, bytes, root](WorkImpl&, const Call& c) {
-    if (m.size > 1 && m.transport->native_broadcast(data, bytes, root)) return;
+    if (m.size > 1 && m.native != nullptr && m.native->broadcast(data, bytes, root)) return;
     algo::broadcast(*m.transport, m.tune, c, data, bytes, root);
   });
 }
@@ -508,7 +510,7 @@ std::shared_ptr<Work> ProcessGroup::allgather(const void* in, void* out, size_t 
   std::vector<size_t> sizes(static_cast<size_t>(m.size), bytes);
   return m.enqueue(OpType::kAllgather, dtype, ReduceOp::kSum, count, 0,
                    [&m, in, out, bytes, sizes = std::move(sizes)](WorkImpl&, const Call& c) {
-                     if (m.size > 1 && m.transport->native_allgather(in, out, bytes)) return;
+                     if (m.size > 1 && m.native != nullptr && m.native->allgather(in, out, bytes)) return;
                      algo::allgatherv(*m.transport, c, in, out, sizes);
                    });
 }
@@ -650,7 +652,7 @@ std::shared_ptr<Buffer> ProcessGroup::allocate_buffer(size_t bytes) {
   auto region = std::make_shared<std::shared_ptr<transport::SharedRegion>>();
   auto work = m.enqueue(OpType::kAllocateBuffer, DataType::kUInt8, ReduceOp::kSum, bytes, 0,
                         [&m, region, bytes](WorkImpl&, const Call&) {
-    if (m.size > 1) *region = m.transport->allocate_shared(bytes);
+    if (m.size > 1 && m.native != nullptr) *region = m.native->allocate_shared(bytes);
   });
   work->wait();
   if (*region) return std::make_shared<SharedBuffer>(std::move(*region));

@@ -4,7 +4,7 @@
 //   [Header][ring to rank 0]...[ring to rank n-1][collective area: 2 halves]
 // - Rings carry the same messages as TCP (wire::Header + payload), so every generic algorithm
 //   and the mismatch checks work unchanged; a ring is single-producer (the owner) single-consumer.
-// - native_allreduce uses the collective areas: each rank copies its chunk into its own area,
+// - allreduce (ShmCollectives) uses the collective areas: each rank copies its chunk into its own area,
 //   reduces its slice straight out of every rank's area, and all copy the reduced slices back.
 //   Two barriers per chunk; the areas alternate halves so a chunk's copy-in never races the
 //   previous chunk's copy-out.
@@ -62,7 +62,7 @@ struct Desc {
   std::atomic<uint64_t> seq_plus_one{0};  // 0 = empty
   wire::Call call;
   // An allreduce on a shared buffer: its id + 1 and the byte offset in it (0, 0 for other memory).
-  // Written in begin() and by native_allreduce, before the call's first barrier.
+  // Written in begin() and by allreduce, before the call's first barrier.
   std::atomic<uint64_t> region{0};
   std::atomic<uint64_t> offset{0};
 };
@@ -196,7 +196,7 @@ class Region final : public SharedRegion {
   std::vector<void*> bases_;
 };
 
-class ShmTransport final : public ShmTransportApi {
+class ShmTransport final : public ShmTransportApi, public ShmCollectives {
  public:
   ShmTransport(const ShmOptions& o) : o_(o) {}
 
@@ -347,7 +347,9 @@ class ShmTransport final : public ShmTransportApi {
     wait_until([&] { return pending_.empty(); }, "its next message");
   }
 
-  bool native_allreduce(void* buf, size_t count, DataType dtype, ReduceOp op) override {
+  ShmCollectives* native() override { return this; }
+
+  bool allreduce(void* buf, size_t count, DataType dtype, ReduceOp op) override {
     const size_t bytes = count * element_size(dtype);
     std::shared_ptr<Region> region;
     size_t offset = 0;
@@ -404,7 +406,7 @@ class ShmTransport final : public ShmTransportApi {
     }
     auto region = std::make_shared<Region>(id, len, o_.rank, n);
     if (base != MAP_FAILED) region->set_base(o_.rank, base);
-    native_allgather(&mine, records.data(), sizeof(Record));
+    allgather(&mine, records.data(), sizeof(Record));
     std::string failed;
     for (int r = 0; r < n && failed.empty(); ++r) {
       if (!records[static_cast<size_t>(r)].ok) {
@@ -440,7 +442,7 @@ class ShmTransport final : public ShmTransportApi {
     return region;
   }
 
-  bool native_broadcast(void* buf, size_t bytes, int root) override {
+  bool broadcast(void* buf, size_t bytes, int root) override {
     // Per chunk: the root publishes it in its area, one barrier, the others copy it out.
     char* data = static_cast<char*>(buf);
     for_each_chunk(bytes, coll_half_, [&](size_t done, size_t len, char* mine, int half) {
@@ -452,7 +454,7 @@ class ShmTransport final : public ShmTransportApi {
     return true;
   }
 
-  bool native_allgather(const void* in, void* out, size_t bytes) override {
+  bool allgather(const void* in, void* out, size_t bytes) override {
     // Per chunk of every rank's block: each publishes its piece, one barrier, all copy all pieces.
     const char* src = static_cast<const char*>(in);
     char* dst = static_cast<char*>(out);
