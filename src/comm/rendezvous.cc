@@ -154,29 +154,31 @@ int require_arg_or_param(const Url& url, int arg, const char* param, int lo) {
   transport::throw_error(transport::error_class_of(e), e.what() + context);
 }
 
-// "host:port" or "[v6]:port".
-void split_host_port(const Url& url, const std::string& text, std::string* host, int* port) {
+}  // namespace
+
+std::string split_host_port(const std::string& text, std::string* host, int* port) {
+  std::string h;
   std::string port_text;
   if (!text.empty() && text[0] == '[') {
     const size_t close = text.find(']');
     if (close == std::string::npos || close + 1 >= text.size() || text[close + 1] != ':') {
-      bad_url(url, "expected [IPV6]:PORT, got '" + text + "'");
+      return "expected [IPV6]:PORT, got '" + text + "'";
     }
-    *host = text.substr(1, close - 1);
+    h = text.substr(1, close - 1);
     port_text = text.substr(close + 2);
   } else {
     const size_t colon = text.rfind(':');
-    if (colon == std::string::npos) bad_url(url, "no port; write tcp://HOST:PORT");
-    *host = text.substr(0, colon);
+    if (colon == std::string::npos) return "no port in '" + text + "'";
+    h = text.substr(0, colon);
     port_text = text.substr(colon + 1);
   }
-  if (host->empty()) bad_url(url, "no host; write tcp://HOST:PORT");
-  if (!parse_int(port_text, 1, 65535, port)) {
-    bad_url(url, "port must be an integer in [1, 65535], got '" + port_text + "'");
-  }
+  if (h.empty()) return "no host in '" + text + "'";
+  int p = 0;
+  if (!parse_int(port_text, 1, 65535, &p)) return "port must be an integer in [1, 65535], got '" + port_text + "'";
+  *host = h;
+  *port = p;
+  return "";
 }
-
-}  // namespace
 
 std::string read_token_file(const std::string& path) {
   struct stat st {};
@@ -276,7 +278,9 @@ Rendezvous rendezvous(const std::string& text, int rank, int world_size,
     store.host = cluster.master_addr;
     store.port = cluster.master_port;
   } else {
-    split_host_port(url, url.body, &store.host, &store.port);
+    if (const std::string bad = split_host_port(url.body, &store.host, &store.port); !bad.empty()) {
+      bad_url(url, bad + "; write tcp://HOST:PORT");
+    }
   }
   require_token();
   store.is_server = rv.rank == 0 && !external_store;

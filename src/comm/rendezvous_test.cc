@@ -119,6 +119,36 @@ class RendezvousTest : public ::testing::Test {
   std::map<std::string, std::string> saved_;
 };
 
+// The one HOST:PORT parser of rendezvous URLs, chorus run's endpoints and transport addresses.
+TEST(SplitHostPort, AcceptsNamesIpv4AndBracketedIpv6) {
+  std::string host;
+  int port = 0;
+  EXPECT_EQ(split_host_port("node-1.cluster:29500", &host, &port), "");
+  EXPECT_EQ(host, "node-1.cluster");
+  EXPECT_EQ(port, 29500);
+  EXPECT_EQ(split_host_port("10.0.0.2:1", &host, &port), "");
+  EXPECT_EQ(host, "10.0.0.2");
+  EXPECT_EQ(port, 1);
+  EXPECT_EQ(split_host_port("[fe80::1%eth0]:65535", &host, &port), "");
+  EXPECT_EQ(host, "fe80::1%eth0");
+  EXPECT_EQ(port, 65535);
+}
+
+TEST(SplitHostPort, SaysWhatIsWrongAndLeavesTheOutputsAlone) {
+  std::string host = "untouched";
+  int port = 7;
+  EXPECT_THAT(split_host_port("node", &host, &port), ::testing::HasSubstr("no port"));
+  EXPECT_THAT(split_host_port(":80", &host, &port), ::testing::HasSubstr("no host"));
+  EXPECT_THAT(split_host_port("node:0", &host, &port), ::testing::HasSubstr("[1, 65535], got '0'"));
+  EXPECT_THAT(split_host_port("node:65536", &host, &port), ::testing::HasSubstr("got '65536'"));
+  EXPECT_THAT(split_host_port("node:80x", &host, &port), ::testing::HasSubstr("got '80x'"));
+  EXPECT_THAT(split_host_port("node:", &host, &port), ::testing::HasSubstr("got ''"));
+  EXPECT_THAT(split_host_port("[::1]80", &host, &port), ::testing::HasSubstr("expected [IPV6]:PORT"));
+  EXPECT_THAT(split_host_port("[::1", &host, &port), ::testing::HasSubstr("expected [IPV6]:PORT"));
+  EXPECT_EQ(host, "untouched");
+  EXPECT_EQ(port, 7);
+}
+
 TEST_F(RendezvousTest, MalformedUrlsAreUsageErrors) {
   expect_usage_error("", {"malformed rendezvous URL", "env://"});
   expect_usage_error("127.0.0.1:29500", {"malformed rendezvous URL", "tcp://HOST:PORT"});

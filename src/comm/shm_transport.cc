@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "chorus/comm/error.h"
+#include "chorus/comm/hash.h"
 #include "chorus/comm/store.h"
 #include "plan.h"
 #include "reduce.h"
@@ -100,12 +101,6 @@ struct RingCtl {
 };
 
 size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
-
-uint64_t hash_token(const std::string& t) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a
-  for (unsigned char c : t) h = (h ^ c) * 1099511628211ull;
-  return h;
-}
 
 long futex(std::atomic<uint32_t>* addr, int op, uint32_t val, const timespec* ts) {
   return ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), op, val, ts, nullptr, 0);
@@ -238,7 +233,7 @@ class ShmTransport final : public ShmTransportApi, public ShmCollectives {
     h->rank = o_.rank;
     h->size = n;
     h->pid = ::getpid();
-    h->token_hash = hash_token(o_.token);
+    h->token_hash = fnv1a64(o_.token);
     h->ring_bytes = ring_bytes_;
     h->collective_bytes = coll_half_;
     h->small_bytes = o_.small_bytes;
@@ -1083,7 +1078,7 @@ uint64_t shm_free_bytes() {
 std::vector<Announcement> exchange_announcements(Store& store, const std::string& key_prefix, int rank, int size,
                                                  const std::string& token, const Announcement& mine,
                                                  Deadline deadline) {
-  const std::string token_hash = std::to_string(hash_token(token));
+  const std::string token_hash = std::to_string(fnv1a64(token));
   store.set(key_prefix + "/" + std::to_string(rank),
             std::to_string(size) + "\n" + token_hash + "\n" + mine.host + "\n" + mine.extra);
   std::vector<Announcement> all(static_cast<size_t>(size));

@@ -21,7 +21,8 @@
 #include <vector>
 
 #include "chorus/comm/error.h"
-#include "chorus/comm/spawn.h"
+#include "chorus/comm/random.h"
+#include "chorus/comm/rendezvous.h"
 #include "chorus/comm/store.h"
 #include "handshake.h"
 #include "transport.h"
@@ -606,14 +607,6 @@ bool parse_payload(const std::string& p, std::string* group, int* world, int* fr
   return found == 15;
 }
 
-std::string split_host(const std::string& hostport, int* port) {
-  auto colon = hostport.rfind(':');
-  if (colon == std::string::npos) return "";
-  *port = std::atoi(hostport.c_str() + colon + 1);
-  std::string host = hostport.substr(0, colon);
-  if (host.size() > 1 && host.front() == '[') host = host.substr(1, host.size() - 2);
-  return host;
-}
 
 
 // A connection to the listener may be a rank of this group, a rank of another job, or anything
@@ -773,7 +766,10 @@ class MeshSetup {
       const std::string key = o_.key_prefix + "/addr/" + std::to_string(c.peer);
       if (!o_.store->check({key})) continue;
       c.addr = o_.store->get(key);
-      c.host = split_host(c.addr, &c.port);
+      if (const std::string bad = split_host_port(c.addr, &c.host, &c.port); !bad.empty()) {
+        throw HandshakeError(prefix() + ": rank " + std::to_string(c.peer) + " published a listen address this rank "
+                             "cannot use: " + bad + " (store key " + key + "; another job writing the same keys?)");
+      }
       c.state = Outgoing::kWaitRetry;
       c.retry_at = Clock::now();
     }

@@ -31,7 +31,8 @@
 #include <utility>
 #include <vector>
 
-#include "chorus/comm/spawn.h"
+#include "chorus/comm/hash.h"
+#include "chorus/comm/random.h"
 #include "chorus/torch/distributed.h"
 
 namespace chorus::train {
@@ -111,15 +112,10 @@ std::string read_file(const std::string& path) {
   return out;
 }
 
-// FNV-1a, 64 bit: catches truncated or damaged files; not a defence against tampering.
-std::string fnv1a64(const std::string& data) {
-  uint64_t h = 14695981039346656037ull;
-  for (unsigned char c : data) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
+// FNV-1a, 64 bit, as 16 hex digits: catches truncated or damaged files; not a defence against tampering.
+std::string checksum(const std::string& data) {
   char out[17];
-  std::snprintf(out, sizeof(out), "%016" PRIx64, h);
+  std::snprintf(out, sizeof(out), "%016" PRIx64, fnv1a64(data));
   return out;
 }
 
@@ -421,7 +417,7 @@ void write_version(const std::string& dir, torch::nn::Module& model, torch::opti
   json files = json::object();
   auto write = [&](const char* file, const std::string& bytes) {
     write_file((fs::path(tmp) / file).string(), bytes.data(), bytes.size(), options.fsync);
-    files[file] = {{"bytes", bytes.size()}, {"fnv1a64", fnv1a64(bytes)}};
+    files[file] = {{"bytes", bytes.size()}, {"fnv1a64", checksum(bytes)}};
     hook(file);
   };
   write(kModelFile, model_bytes(model));
@@ -483,7 +479,7 @@ Blobs read_version(const std::string& dir) {
   for (const auto& [file, meta] : doc.at("files").items()) {
     std::string bytes = read_file((fs::path(*path) / file).string());
     const size_t want = meta.at("bytes").get<size_t>();
-    if (bytes.size() != want || fnv1a64(bytes) != meta.at("fnv1a64").get<std::string>()) {
+    if (bytes.size() != want || checksum(bytes) != meta.at("fnv1a64").get<std::string>()) {
       throw CheckpointError("checkpoint " + *path + ": " + file + " is damaged (" + std::to_string(bytes.size()) +
                             " bytes, manifest says " + std::to_string(want) + ", or its checksum differs)");
     }

@@ -63,4 +63,9 @@ Rendezvous rendezvous(const std::string& url, int rank = -1, int world_size = -1
 // the fix when it is missing, empty, not this user's, or readable by group or others.
 std::string read_token_file(const std::string& path);
 
+// Splits "HOST:PORT" or "[IPV6]:PORT" (the port a decimal integer in [1, 65535]) into *host and
+// *port. Returns "" on success; otherwise what is wrong ("no port", "no host", ...), for the
+// caller's error message, and leaves *host and *port untouched. Pure: no name lookup.
+std::string split_host_port(const std::string& text, std::string* host, int* port);
+
 }  // namespace chorus
