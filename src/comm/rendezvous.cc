@@ -156,6 +156,21 @@ int require_arg_or_param(const Url& url, int arg, const char* param, int lo) {
 
 }  // namespace
 
+bool launched_job(std::string* rank) {
+  auto var = [](const char* name) -> const char* {
+    const char* v = std::getenv(name);
+    return v != nullptr && v[0] != '\0' ? v : nullptr;
+  };
+  auto several = [](const char* n) { return n != nullptr && std::strcmp(n, "1") != 0; };
+  const char* found = var("RANK");
+  if (found == nullptr && several(var("OMPI_COMM_WORLD_SIZE"))) found = var("OMPI_COMM_WORLD_RANK");
+  const bool step = var("SLURM_STEP_ID") != nullptr || var("SLURM_STEPID") != nullptr;
+  const char* tasks = var("SLURM_STEP_NUM_TASKS") != nullptr ? var("SLURM_STEP_NUM_TASKS") : var("SLURM_NTASKS");
+  if (found == nullptr && step && several(tasks)) found = var("SLURM_PROCID");
+  if (found != nullptr && rank != nullptr) *rank = found;
+  return found != nullptr;
+}
+
 std::string split_host_port(const std::string& text, std::string* host, int* port) {
   std::string h;
   std::string port_text;

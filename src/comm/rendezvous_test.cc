@@ -115,9 +115,35 @@ class RendezvousTest : public ::testing::Test {
       "MASTER_ADDR",          "MASTER_PORT",   "RANK",          "WORLD_SIZE",
       "CHORUS_JOB_TOKEN",     "CHORUS_STORE_EXTERNAL",          "CHORUS_JOB_TOKEN_FILE",
       "SLURM_PROCID",         "SLURM_STEP_ID", "SLURM_NTASKS",  "SLURM_JOB_ID",
-      "SLURM_STEP_NODELIST"};
+      "SLURM_STEP_NODELIST",  "SLURM_STEPID",  "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE",
+      "OMPI_COMM_WORLD_RANK"};
   std::map<std::string, std::string> saved_;
 };
+
+TEST_F(RendezvousTest, LaunchedJobFollowsEachLaunchersVariables) {
+  std::string rank = "untouched";
+  EXPECT_FALSE(launched_job(&rank));
+  EXPECT_EQ(rank, "untouched");
+  ::setenv("RANK", "3", 1);  // chorus run, torchrun
+  EXPECT_TRUE(launched_job(&rank));
+  EXPECT_EQ(rank, "3");
+  ::unsetenv("RANK");
+  ::setenv("OMPI_COMM_WORLD_RANK", "1", 1);
+  ::setenv("OMPI_COMM_WORLD_SIZE", "1", 1);  // a one-process mpirun is no job of ranks
+  EXPECT_FALSE(launched_job());
+  ::setenv("OMPI_COMM_WORLD_SIZE", "4", 1);
+  EXPECT_TRUE(launched_job(&rank));
+  EXPECT_EQ(rank, "1");
+  ::unsetenv("OMPI_COMM_WORLD_SIZE");
+  ::setenv("SLURM_PROCID", "2", 1);
+  ::setenv("SLURM_NTASKS", "4", 1);
+  EXPECT_FALSE(launched_job());  // an sbatch script: no step id
+  ::setenv("SLURM_STEP_ID", "0", 1);
+  EXPECT_TRUE(launched_job(&rank));
+  EXPECT_EQ(rank, "2");
+  ::setenv("SLURM_STEP_NUM_TASKS", "1", 1);  // a one-task step, whatever the job's task count
+  EXPECT_FALSE(launched_job());
+}
 
 // The one HOST:PORT parser of rendezvous URLs, chorus run's endpoints and transport addresses.
 TEST(SplitHostPort, AcceptsNamesIpv4AndBracketedIpv6) {

@@ -63,6 +63,13 @@ Rendezvous rendezvous(const std::string& url, int rank = -1, int world_size = -1
 // the fix when it is missing, empty, not this user's, or readable by group or others.
 std::string read_token_file(const std::string& path);
 
+// Whether a launcher started this process as one rank of a job of several: chorus run or torchrun
+// (RANK set), mpirun with more than one process (OMPI_COMM_WORLD_RANK), or an srun step of more
+// than one task (SLURM_PROCID). An sbatch script (no step id), a one-task mpirun or srun step and
+// a plain process are not. When true and `rank` is given, *rank is the rank as the launcher wrote
+// it (for messages; init_process_group checks it). Reads the environment.
+bool launched_job(std::string* rank = nullptr);
+
 // Splits "HOST:PORT" or "[IPV6]:PORT" (the port a decimal integer in [1, 65535]) into *host and
 // *port. Returns "" on success; otherwise what is wrong ("no port", "no host", ...), for the
 // caller's error message, and leaves *host and *port untouched. Pure: no name lookup.
