@@ -37,6 +37,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "chorus/comm/check.h"
 #include "chorus/comm/error.h"
 #include "chorus/comm/hash.h"
 #include "chorus/comm/store.h"
@@ -676,6 +677,8 @@ class ShmTransport final : public ShmTransportApi, public ShmCollectives {
       const size_t total = sizeof(wire::Header) + s.n;
       uint64_t head = c->head.v.load(std::memory_order_relaxed);
       uint64_t tail = c->tail.v.load(std::memory_order_acquire);
+      // More unread bytes than the ring holds would make `free` wrap and the write overrun it.
+      CHORUS_CHECK(head - tail <= ring_bytes_, "send ring holds more than its size");
       size_t free = ring_bytes_ - static_cast<size_t>(head - tail);
       if (free == 0) break;
       size_t k = std::min(free, total - s.off);
@@ -778,6 +781,7 @@ class ShmTransport final : public ShmTransportApi, public ShmCollectives {
     const uint64_t head = c->head.v.load(std::memory_order_acquire);
     const size_t k = static_cast<size_t>(head - tail);
     if (k == 0) return false;
+    CHORUS_CHECK(k <= ring_bytes_, "receive ring holds more than its size");
     auto& inbox = inbox_[static_cast<size_t>(peer)];
     const size_t old = inbox.size();
     inbox.resize(old + k);
