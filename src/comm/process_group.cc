@@ -15,6 +15,7 @@
 
 #include "algorithms.h"
 #include "chorus/comm/error.h"
+#include "chorus/comm/log.h"
 #include "chorus/comm/rendezvous.h"
 #include "chorus/comm/signals.h"
 #include "message.h"
@@ -363,11 +364,10 @@ std::unique_ptr<transport::Transport> make_transport(Store* store, const transpo
       if (n > 1 && free_on[id] < need) {
         short_host = id;
         if (to.rank == 0) {
-          std::fprintf(stderr,
-                       "[chorus] group '%s': /dev/shm on host %s has %llu bytes free but its %d ranks need %llu "
-                       "for shared memory; using tcp (in a container, raise --shm-size)\n",
-                       options.group_name.c_str(), id.c_str(), static_cast<unsigned long long>(free_on[id]), n,
-                       static_cast<unsigned long long>(need));
+          chorus::log(LogLevel::kWarning, "group '" + options.group_name + "': /dev/shm on host " + id + " has " +
+                                      std::to_string(free_on[id]) + " bytes free but its " + std::to_string(n) +
+                                      " ranks need " + std::to_string(need) +
+                                      " for shared memory; using tcp (in a container, raise --shm-size)");
         }
       }
     }

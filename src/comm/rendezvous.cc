@@ -18,6 +18,7 @@
 #include <sstream>
 
 #include "chorus/comm/error.h"
+#include "chorus/comm/log.h"
 #include "chorus/comm/spawn.h"
 #include "chorus/comm/tcp_store.h"
 #include "cluster_env.h"
@@ -251,6 +252,9 @@ Rendezvous rendezvous(const std::string& text, int rank, int world_size,
                      " is outside [0, " + std::to_string(rv.world_size) + ") for world_size " +
                      std::to_string(rv.world_size));
   }
+  // From here on the library's log lines name this rank; CHORUS_LOG_LEVEL quiets them or asks for more.
+  if (const char* level = env("CHORUS_LOG_LEVEL")) set_log_level(parse_log_level(level));
+  set_log_rank(rv.rank);
   // Rank 0 hosts the server unless a launcher already does.
   const bool external_store = env_flag("CHORUS_STORE_EXTERNAL");
   auto token = url.query.find("token");

@@ -39,6 +39,7 @@
 
 #include "chorus/comm/check.h"
 #include "chorus/comm/error.h"
+#include "chorus/comm/log.h"
 #include "chorus/comm/hash.h"
 #include "chorus/comm/store.h"
 #include "plan.h"
@@ -412,8 +413,8 @@ class ShmTransport final : public ShmTransportApi, public ShmCollectives {
     }
     if (!failed.empty()) {
       if (o_.rank == 0) {
-        std::fprintf(stderr, "chorus: %s: a shared buffer of %zu bytes is not available (%s); using ordinary memory, "
-                     "whose allreduce copies through the staging areas\n", me().c_str(), len, failed.c_str());
+        chorus::log(LogLevel::kWarning, me() + ": a shared buffer of " + std::to_string(len) + " bytes is not available (" +
+                                    failed + "); using ordinary memory, whose allreduce copies through the staging areas");
       }
       return nullptr;
     }

@@ -20,6 +20,7 @@
 #include <unordered_set>
 
 #include "chorus/comm/error.h"
+#include "chorus/comm/log.h"
 #include "handshake.h"
 #include "socket.h"
 #include "store_internal.h"
@@ -324,7 +325,7 @@ struct TcpStoreServer::Impl {
   net::Deadline accept_paused_until{};
 
   void log(const std::string& line) const {
-    if (!options.quiet) std::fprintf(stderr, "[chorus] %s: %s\n", name.c_str(), line.c_str());
+    if (!options.quiet) chorus::log(LogLevel::kWarning, name + ": " + line);
   }
 
   void run() {
@@ -1062,7 +1063,7 @@ TcpStore::TcpStore(TcpStoreOptions options) : impl_(std::make_unique<Impl>()) {
   net::ConnectProgress progress;
   progress.interval = s.options.progress_interval;
   progress.who = s.options.who;
-  progress.report = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
+  progress.report = [](const std::string& line) { chorus::log(LogLevel::kInfo, line); };
   s.fd = net::connect_tcp(s.options.host, s.port, deadline, "the TcpStore server",
                           s.options.progress_interval.count() > 0 ? &progress : nullptr);
   net::set_nodelay(s.fd.get());

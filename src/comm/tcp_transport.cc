@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "chorus/comm/error.h"
+#include "chorus/comm/log.h"
 #include "chorus/comm/random.h"
 #include "chorus/comm/rendezvous.h"
 #include "chorus/comm/store.h"
@@ -686,15 +687,14 @@ class MeshSetup {
 
   std::string prefix() const { return "chorus: " + me_ + ": group '" + o_.group_name + "' setup"; }
 
-  // One line on stderr about a connection this rank dropped or refused; a flood of them is summed up.
+  // One log line about a connection this rank dropped or refused; a flood of them is summed up.
   void note(const std::string& what, const std::string& from, const std::string& why) {
     ++noted_;
     if (noted_ <= 5 || noted_ % 100 == 0) {
-      std::fprintf(stderr, "chorus: %s: %s a connection from %s: %s%s\n", me_.c_str(), what.c_str(), from.c_str(),
-                   why.c_str(),
-                   noted_ == 5 ? " (further lines like this are suppressed; every 100th is shown)"
-                   : noted_ > 5 ? (" (" + std::to_string(noted_) + " so far)").c_str()
-                                : "");
+      const std::string tail = noted_ == 5  ? " (further lines like this are suppressed; every 100th is shown)"
+                               : noted_ > 5 ? " (" + std::to_string(noted_) + " so far)"
+                                            : "";
+      chorus::log(LogLevel::kWarning, me_ + ": " + what + " a connection from " + from + ": " + why + tail);
     }
   }
 
@@ -973,8 +973,7 @@ class MeshSetup {
                 " (two processes with the same RANK?)";
     }
     if (!refusal.empty()) {
-      std::fprintf(stderr, "chorus: %s: refused a connection from %s: %s\n", me_.c_str(), c.from.c_str(),
-                   refusal.c_str());
+      chorus::log(LogLevel::kWarning, me_ + ": refused a connection from " + c.from + ": " + refusal);
       refuse(c, refusal);
       // A process of this job (it knows the token) with another configuration: fail loudly here
       // too instead of waiting for a rank that will never come.
@@ -984,8 +983,8 @@ class MeshSetup {
     const std::string accept = c.hs->accept();
     net::IoResult w = net::write_full(c.fd.get(), accept.data(), accept.size(), o_.deadline);
     if (!w.ok()) {
-      std::fprintf(stderr, "chorus: %s: lost the connection from rank %d (%s) while accepting it: %s\n",
-                   me_.c_str(), from, c.from.c_str(), w.describe().c_str());
+      chorus::log(LogLevel::kWarning, me_ + ": lost the connection from rank " + std::to_string(from) + " (" + c.from +
+                                  ") while accepting it: " + w.describe());
       c.fd.reset();
       return;
     }

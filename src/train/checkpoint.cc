@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "chorus/comm/hash.h"
+#include "chorus/comm/log.h"
 #include "chorus/comm/random.h"
 #include "chorus/torch/distributed.h"
 
@@ -353,7 +354,7 @@ void remove_entries(const std::string& dir, const std::vector<std::string>& name
   for (const auto& name : names) {
     std::error_code rec;
     fs::remove_all(fs::path(dir) / name, rec);
-    if (rec) std::cerr << "chorus: checkpoint " << dir << ": cannot remove " << name << ": " << rec.message() << "\n";
+    if (rec) chorus::log(LogLevel::kWarning, "checkpoint " + dir + ": cannot remove " + name + ": " + rec.message());
   }
 }
 
