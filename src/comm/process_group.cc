@@ -745,18 +745,17 @@ std::shared_ptr<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ra
 
 std::shared_ptr<ProcessGroup> connect_process_group(const std::string& init_method, int rank, int world_size,
                                                     ProcessGroupOptions options) {
-  // Make sure uncaught exceptions reach chorus run's report (links in the load-time hook too).
-  if (const char* path = std::getenv("CHORUS_ERROR_FILE"); path != nullptr && *path != '\0') {
-    install_error_file_handler(path);
-  }
   RendezvousOptions ro;
   ro.timeout = options.timeout;
   Rendezvous rv = rendezvous(init_method, rank, world_size, ro);
+  // Make sure uncaught exceptions reach chorus run's report (signals.cc also installs it when the
+  // program starts, for exceptions thrown before any chorus call).
+  if (!rv.error_file.empty()) install_error_file_handler(rv.error_file.c_str());
   // A launcher that restarts a job gives each attempt its own key space in the shared store, so a
   // new attempt never reads the addresses an earlier one published.
-  if (const char* prefix = std::getenv("CHORUS_STORE_PREFIX"); prefix != nullptr && *prefix != '\0') {
-    rv.store = std::make_shared<PrefixStore>(prefix, rv.store);
-  }
+  if (!rv.store_prefix.empty()) rv.store = std::make_shared<PrefixStore>(rv.store_prefix, rv.store);
+  // CHORUS_TRANSPORT replaces the automatic choice; a transport the caller named stays.
+  if (options.transport == "auto" && !rv.transport.empty()) options.transport = rv.transport;
   if (options.token.empty()) options.token = rv.token;
   if (options.advertise_host.empty()) options.advertise_host = rv.local_address;
   return std::make_shared<ProcessGroup>(rv.store, rv.rank, rv.world_size, options);

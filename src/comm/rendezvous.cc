@@ -157,6 +157,15 @@ int require_arg_or_param(const Url& url, int arg, const char* param, int lo) {
 
 }  // namespace
 
+int restart_count() {
+  int count = 0;
+  for (const char* name : {"CHORUS_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"}) {
+    int v = 0;
+    if (const char* text = env(name); text != nullptr && parse_int(text, 0, 1 << 30, &v)) count = std::max(count, v);
+  }
+  return count;
+}
+
 bool launched_job(std::string* rank) {
   auto var = [](const char* name) -> const char* {
     const char* v = std::getenv(name);
@@ -252,6 +261,9 @@ Rendezvous rendezvous(const std::string& text, int rank, int world_size,
                      " is outside [0, " + std::to_string(rv.world_size) + ") for world_size " +
                      std::to_string(rv.world_size));
   }
+  if (const char* v = env("CHORUS_ERROR_FILE")) rv.error_file = v;
+  if (const char* v = env("CHORUS_STORE_PREFIX")) rv.store_prefix = v;
+  if (const char* v = env("CHORUS_TRANSPORT")) rv.transport = v;  // checked by the process group
   // From here on the library's log lines name this rank; CHORUS_LOG_LEVEL quiets them or asks for more.
   if (const char* level = env("CHORUS_LOG_LEVEL")) set_log_level(parse_log_level(level));
   set_log_rank(rv.rank);

@@ -116,9 +116,35 @@ class RendezvousTest : public ::testing::Test {
       "CHORUS_JOB_TOKEN",     "CHORUS_STORE_EXTERNAL",          "CHORUS_JOB_TOKEN_FILE",
       "SLURM_PROCID",         "SLURM_STEP_ID", "SLURM_NTASKS",  "SLURM_JOB_ID",
       "SLURM_STEP_NODELIST",  "SLURM_STEPID",  "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE",
-      "OMPI_COMM_WORLD_RANK"};
+      "OMPI_COMM_WORLD_RANK", "CHORUS_ERROR_FILE", "CHORUS_STORE_PREFIX", "CHORUS_TRANSPORT",
+      "CHORUS_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"};
   std::map<std::string, std::string> saved_;
 };
+
+TEST_F(RendezvousTest, ReadsTheChorusVariablesForTheLayersAbove) {
+  const std::string path = "/tmp/chorus-rendezvous-env-" + std::to_string(::getpid());
+  Rendezvous plain = rendezvous("file://" + path + "?rank=0&world_size=1");
+  EXPECT_EQ(plain.error_file, "");
+  EXPECT_EQ(plain.store_prefix, "");
+  EXPECT_EQ(plain.transport, "");
+  ::setenv("CHORUS_ERROR_FILE", "/tmp/err.json", 1);
+  ::setenv("CHORUS_STORE_PREFIX", "attempt-2/", 1);
+  ::setenv("CHORUS_TRANSPORT", "tcp", 1);
+  Rendezvous rv = rendezvous("file://" + path + "?rank=0&world_size=1");
+  EXPECT_EQ(rv.error_file, "/tmp/err.json");
+  EXPECT_EQ(rv.store_prefix, "attempt-2/");
+  EXPECT_EQ(rv.transport, "tcp");
+  std::remove(path.c_str());
+}
+
+TEST_F(RendezvousTest, RestartCountIsTheLargestLaunchersCount) {
+  EXPECT_EQ(restart_count(), 0);
+  ::setenv("TORCHELASTIC_RESTART_COUNT", "2", 1);
+  ::setenv("CHORUS_RESTART_COUNT", "1", 1);
+  EXPECT_EQ(restart_count(), 2);
+  ::setenv("SLURM_RESTART_COUNT", "not a number", 1);  // ignored, not a crash
+  EXPECT_EQ(restart_count(), 2);
+}
 
 TEST_F(RendezvousTest, LaunchedJobFollowsEachLaunchersVariables) {
   std::string rank = "untouched";

@@ -191,13 +191,6 @@ std::string shape_of(const at::Tensor& t) {
   return out.str();
 }
 
-int restart_count() {
-  int count = 0;
-  for (const char* name : {"CHORUS_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"}) {
-    if (const char* v = std::getenv(name)) count = std::max(count, std::atoi(v));
-  }
-  return count;
-}
 
 std::string now_iso8601() {
   std::time_t t = std::time(nullptr);

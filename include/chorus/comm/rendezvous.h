@@ -50,6 +50,11 @@ struct Rendezvous {
   // The address of this host as seen on the store connection (for publishing listen addresses);
   // "" for stores without a network connection.
   std::string local_address;
+  // What a launcher or the user asked of the layers above through the environment; rendezvous is
+  // where the library reads CHORUS_* variables, and these pass them on as options.
+  std::string error_file;    // CHORUS_ERROR_FILE: where this rank records an uncaught exception
+  std::string store_prefix;  // CHORUS_STORE_PREFIX: this attempt's key space in a shared store
+  std::string transport;     // CHORUS_TRANSPORT: "tcp", "shm", "hybrid" or "auto" ("": not set)
 };
 
 // Throws UsageError for a malformed URL, missing variables or a missing job token (naming them and
@@ -62,6 +67,11 @@ Rendezvous rendezvous(const std::string& url, int rank = -1, int world_size = -1
 // The secret in a job token file (trailing whitespace dropped). Throws UsageError naming the file and
 // the fix when it is missing, empty, not this user's, or readable by group or others.
 std::string read_token_file(const std::string& path);
+
+// How many times a launcher has restarted this job: the largest of CHORUS_RESTART_COUNT (chorus
+// run), TORCHELASTIC_RESTART_COUNT (torchrun) and SLURM_RESTART_COUNT (Slurm requeue); 0 when none
+// is set. Reads the environment.
+int restart_count();
 
 // Whether a launcher started this process as one rank of a job of several: chorus run or torchrun
 // (RANK set), mpirun with more than one process (OMPI_COMM_WORLD_RANK), or an srun step of more
