@@ -357,7 +357,12 @@ StateDict read_torch_save_dict(const std::string& path) {
     throw StateDictError("read_state_dict: " + path + " is not a readable torch.save archive: " +
                          e.what_without_backtrace());
   }
-  Machine machine(path, *archive, static_cast<const char*>(pickle.get()), size);
+  return read_pickled_dict(path, *archive, static_cast<const char*>(pickle.get()), size);
+}
+
+StateDict read_pickled_dict(const std::string& path, caffe2::serialize::PyTorchStreamReader& archive,
+                            const char* pickle, size_t size) {
+  Machine machine(path, archive, pickle, size);
   ValuePtr root = machine.run();
   if (root->kind != Value::Kind::kDict) {
     throw StateDictError("read_state_dict: " + path + " holds a " + kind_name(root->kind) +

@@ -33,6 +33,7 @@
 
 #include "chorus/comm/spawn.h"
 #include "chorus/torch/distributed.h"
+#include "checkpoint_internal.h"
 
 namespace chorus::train {
 namespace {
@@ -617,5 +618,17 @@ std::optional<CheckpointState> load_checkpoint(const std::string& dir, torch::nn
   }
   return st;
 }
+
+// ---- entry points for the fuzz target (checkpoint_internal.h) -----------------------------------
+
+namespace detail {
+
+CheckpointFiles read_checkpoint_files(const std::string& dir) { return read_version(dir); }
+CheckpointFiles unpack_checkpoint_message(const std::string& message) { return unpack(message); }
+CheckpointState parse_checkpoint_state(const std::string& state_json) { return parse_state(state_json); }
+void load_checkpoint_model(const std::string& model_pt, torch::nn::Module& model) { load_model(model_pt, model); }
+void load_checkpoint_rng(const std::string& rng_pt, int rank) { load_rng(rng_pt, rank); }
+
+}  // namespace detail
 
 }  // namespace chorus::train
