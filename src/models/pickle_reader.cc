@@ -320,9 +320,13 @@ class Machine {
     at::DataPtr data;
     if (numel > 0) {
       const std::string record = "data/" + key;
-      if (!archive_.hasRecord(record)) fail("the archive has no " + record);
       size_t size = 0;
-      std::tie(data, size) = archive_.getRecord(record);
+      try {
+        if (!archive_.hasRecord(record)) fail("the archive has no " + record);
+        std::tie(data, size) = archive_.getRecord(record);
+      } catch (const c10::Error& e) {  // a damaged zip entry (bad header, checksum or compression)
+        fail("the archive's " + record + " cannot be read: " + e.what_without_backtrace());
+      }
       if (size < nbytes) fail(record + " holds " + std::to_string(size) + " bytes, not " + std::to_string(nbytes));
     }
     auto v = make(Value::Kind::kStorage);
