@@ -4,6 +4,7 @@
 #include <caffe2/serialize/inline_container.h>
 
 #include <cstring>
+#include <limits>
 #include <map>
 #include <memory>
 #include <unordered_map>
@@ -295,7 +296,11 @@ class Machine {
     for (size_t d = 0; d < sizes.size(); ++d) {
       if (sizes[d] < 0 || strides[d] < 0) fail("negative tensor size or stride");
       if (sizes[d] == 0) empty = true;
-      last += (sizes[d] - 1) * strides[d];
+      int64_t reach = 0;
+      if (__builtin_mul_overflow(sizes[d] == 0 ? 0 : sizes[d] - 1, strides[d], &reach) ||
+          __builtin_add_overflow(last, reach, &last)) {
+        fail("tensor size and stride overflow int64");
+      }
     }
     if (offset < 0 || (!empty && last >= numel)) fail("tensor reaches past its storage");
     auto v = make(Value::Kind::kTensor);
@@ -316,7 +321,13 @@ class Machine {
     auto cached = storages_.find(key);
     if (cached != storages_.end()) return cached->second;
     const int64_t numel = pid->items[4]->i;
-    const size_t nbytes = static_cast<size_t>(numel) * at::elementSize(type->second);
+    const size_t element = at::elementSize(type->second);
+    // A negative count made an empty storage claim 2^64 - k bytes, and a tensor on it read through
+    // a null pointer (fuzz/corpus/pickle/regression-negative-storage-size.pkl).
+    if (numel < 0 || static_cast<uint64_t>(numel) > std::numeric_limits<size_t>::max() / element) {
+      fail("storage of " + std::to_string(numel) + " elements");
+    }
+    const size_t nbytes = static_cast<size_t>(numel) * element;
     at::DataPtr data;
     if (numel > 0) {
       const std::string record = "data/" + key;
