@@ -69,6 +69,17 @@ class Machine {
  public:
   Machine(const std::string& path, caffe2::serialize::PyTorchStreamReader& archive, const char* data, size_t size)
       : path_(path), archive_(archive), data_(data), size_(size) {}
+  // A pickle can put a container inside itself (through the memo): the shared_ptr cycle would
+  // never be freed (LeakSanitizer, fuzz/corpus/pickle/regression-reference-cycle.pkl). Every
+  // container the machine made is emptied when it is done; the caller has taken its tensors by then.
+  ~Machine() {
+    for (const ValuePtr& v : containers_) {
+      v->items.clear();
+      v->dict.clear();
+    }
+  }
+  Machine(const Machine&) = delete;
+  Machine& operator=(const Machine&) = delete;
 
   ValuePtr run() {
     while (true) {
@@ -214,7 +225,13 @@ class Machine {
     return it->second;
   }
 
-  void push(ValuePtr v) { stack_.push_back(std::move(v)); }
+  void push(ValuePtr v) {
+    // Every value the machine makes is pushed: containers are recorded here, for ~Machine.
+    if (v->kind == Value::Kind::kTuple || v->kind == Value::Kind::kList || v->kind == Value::Kind::kDict) {
+      containers_.push_back(v);
+    }
+    stack_.push_back(std::move(v));
+  }
   ValuePtr top() {
     if (stack_.empty()) fail("stack empty");
     return stack_.back();
@@ -357,6 +374,7 @@ class Machine {
   std::vector<size_t> marks_;
   std::unordered_map<uint64_t, ValuePtr> memo_;
   std::map<std::string, ValuePtr> storages_;
+  std::vector<ValuePtr> containers_;
 };
 
 }  // namespace
