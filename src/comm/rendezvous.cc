@@ -23,21 +23,17 @@
 #include "chorus/comm/tcp_store.h"
 #include "cluster_env.h"
 #include "error_class.h"
+#include "rendezvous_url.h"
 
 extern char** environ;  // POSIX; <unistd.h> declares it only with _GNU_SOURCE
 
 namespace chorus {
 namespace {
 
+using rendezvous_url::Url;
+
 constexpr const char* kForms =
     "env://, tcp://HOST:PORT?rank=R&world_size=W[&token=T] or file:///PATH?rank=R&world_size=W";
-
-struct Url {
-  std::string text;    // as given, for messages
-  std::string scheme;  // "env", "tcp", "file"
-  std::string body;    // between "://" and "?"
-  std::map<std::string, std::string> query;
-};
 
 [[noreturn]] void bad_url(const Url& url, const std::string& what) {
   throw UsageError("rendezvous URL '" + url.text + "': " + what);
@@ -60,7 +56,9 @@ std::string percent_decode(const Url& url, const std::string& s) {
   return out;
 }
 
-Url parse_url(const std::string& text) {
+}  // namespace
+
+Url rendezvous_url::parse_url(const std::string& text) {
   Url url;
   url.text = text;
   const size_t sep = text.find("://");
@@ -101,6 +99,8 @@ Url parse_url(const std::string& text) {
   return url;
 }
 
+namespace {
+
 const char* env(const char* name) {
   const char* v = std::getenv(name);
   return (v != nullptr && v[0] != '\0') ? v : nullptr;
@@ -128,7 +128,9 @@ Environment current_environment() {
 
 // The rank or world size from the explicit argument, else the URL's parameter; -1 when neither
 // gives it (env:// then asks the environment).
-int arg_or_param(const Url& url, int arg, const char* param, int lo) {
+}  // namespace
+
+int rendezvous_url::arg_or_param(const Url& url, int arg, const char* param, int lo) {
   if (arg >= 0) return arg;
   auto it = url.query.find(param);
   if (it == url.query.end()) return -1;
@@ -140,9 +142,11 @@ int arg_or_param(const Url& url, int arg, const char* param, int lo) {
   return v;
 }
 
+namespace {
+
 // tcp:// and file:// take the rank and world size from the arguments or the URL only.
 int require_arg_or_param(const Url& url, int arg, const char* param, int lo) {
-  const int v = arg_or_param(url, arg, param, lo);
+  const int v = rendezvous_url::arg_or_param(url, arg, param, lo);
   if (v < 0) {
     bad_url(url, std::string("no ") + param + "; add ?rank=R&world_size=W to the URL or pass " +
                      param + " explicitly");
@@ -236,15 +240,15 @@ std::string read_token_file(const std::string& path) {
 
 Rendezvous rendezvous(const std::string& text, int rank, int world_size,
                       RendezvousOptions options) {
-  const Url url = parse_url(text);
+  const Url url = rendezvous_url::parse_url(text);
   Rendezvous rv;
   ClusterEnv cluster;
   if (url.scheme == "env") {
     if (!url.body.empty()) {
       bad_url(url, "env:// takes no address: MASTER_ADDR and MASTER_PORT give it");
     }
-    const int world_hint = arg_or_param(url, world_size, "world_size", 1);
-    const int rank_hint = arg_or_param(url, rank, "rank", 0);
+    const int world_hint = rendezvous_url::arg_or_param(url, world_size, "world_size", 1);
+    const int rank_hint = rendezvous_url::arg_or_param(url, rank, "rank", 0);
     cluster = resolve_cluster_env(current_environment(), rank_hint, world_hint);
     rv.world_size = cluster.world_size;
     rv.rank = cluster.rank;

@@ -7,6 +7,7 @@
 #include "chorus/train/checkpoint.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <caffe2/serialize/inline_container.h>
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -16,6 +17,7 @@
 #include <torch/serialize.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
+#include <torch/csrc/jit/serialization/import_read.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -35,6 +37,7 @@
 #include "chorus/comm/log.h"
 #include "chorus/comm/random.h"
 #include "chorus/torch/distributed.h"
+#include "checkpoint_internal.h"
 
 namespace chorus::train {
 namespace {
@@ -207,8 +210,21 @@ std::string join_some(const std::vector<std::string>& names) {
   return out;
 }
 
+// torch::pickle_load, reading through an istream. pickle_load itself reads its bytes through
+// libtorch 1.13's VectorReader, which copies whatever range the zip reader asks for: a damaged
+// model.pt or rng.pt made it read past the end of the buffer (found by fuzz/checkpoint.cc; the
+// input is fuzz/corpus/checkpoint/regression-rng-pt-read-past-end). libtorch's istream adapter
+// checks every read and throws instead.
+torch::IValue pickle_load_checked(const std::string& bytes) {
+  std::istringstream in(bytes);
+  caffe2::serialize::PyTorchStreamReader archive(&in);
+  return torch::jit::readArchiveAndTensors("data", /*pickle_prefix=*/"", /*tensor_prefix=*/"",
+                                           /*type_resolver=*/c10::nullopt, /*obj_loader=*/c10::nullopt,
+                                           /*device=*/c10::nullopt, archive);
+}
+
 void load_model(const std::string& bytes, torch::nn::Module& model) {
-  torch::IValue value = torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end()));
+  torch::IValue value = pickle_load_checked(bytes);
   if (!value.isGenericDict()) throw CheckpointError("model.pt does not hold a dict of tensors");
   std::map<std::string, at::Tensor> saved;
   for (const auto& item : value.toGenericDict()) {
@@ -291,7 +307,7 @@ std::string rng_bytes(const std::vector<std::string>& states) {
 }
 
 void load_rng(const std::string& bytes, int rank) {
-  torch::IValue value = torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end()));
+  torch::IValue value = pickle_load_checked(bytes);
   if (!value.isTensorList()) throw CheckpointError("rng.pt does not hold a list of generator states");
   auto list = value.toTensorList();
   if (list.size() == 0) return;
@@ -478,6 +494,12 @@ Blobs read_version(const std::string& dir) {
                           " is newer than this chorus reads (" + std::to_string(kFormatVersion) + ")");
   }
   for (const auto& [file, meta] : doc.at("files").items()) {
+    // Only files of this version: a name with a '/' could reach any file (a device that never
+    // ends, a file of another user's), none of which save_checkpoint wrote.
+    if (file.empty() || file == "." || file == ".." || file == kStateFile || file.find('/') != std::string::npos) {
+      throw CheckpointError("checkpoint " + *path + ": state.json lists '" + file +
+                            "', which is not a file name of this version (damaged or hand-edited manifest)");
+    }
     std::string bytes = read_file((fs::path(*path) / file).string());
     const size_t want = meta.at("bytes").get<size_t>();
     if (bytes.size() != want || checksum(bytes) != meta.at("fnv1a64").get<std::string>()) {
@@ -614,5 +636,17 @@ std::optional<CheckpointState> load_checkpoint(const std::string& dir, torch::nn
   }
   return st;
 }
+
+// ---- entry points for the fuzz target (checkpoint_internal.h) -----------------------------------
+
+namespace detail {
+
+CheckpointFiles read_checkpoint_files(const std::string& dir) { return read_version(dir); }
+CheckpointFiles unpack_checkpoint_message(const std::string& message) { return unpack(message); }
+CheckpointState parse_checkpoint_state(const std::string& state_json) { return parse_state(state_json); }
+void load_checkpoint_model(const std::string& model_pt, torch::nn::Module& model) { load_model(model_pt, model); }
+void load_checkpoint_rng(const std::string& rng_pt, int rank) { load_rng(rng_pt, rank); }
+
+}  // namespace detail
 
 }  // namespace chorus::train
