@@ -131,6 +131,9 @@ void spawn(int nprocs, const std::function<void(int rank, int world_size)>& fn,
   so.host = "127.0.0.1";
   so.port = 0;
   so.token = options.token.empty() ? random_token() : options.token;
+  // Listening, but no server thread until every child is forked: a child forked while that thread
+  // held a lock (OpenSSL's random generator mid-handshake with an earlier child) would hang on it.
+  so.start_serving = false;
   TcpStoreServer server(so);
 
   std::fflush(nullptr);  // children must not re-emit the parent's buffered output
@@ -171,6 +174,7 @@ void spawn(int nprocs, const std::function<void(int rank, int world_size)>& fn,
     c.msg_fd = fds[0];
     c.pidfd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
   }
+  server.start();  // children that connected already wait in the listen backlog
 
   const auto start = Clock::now();
   const bool has_deadline = options.timeout.count() > 0;

@@ -346,6 +346,7 @@ TEST(TcpStoreMultiProcess, AddFromForkedChildrenSumsExactly) {
   TcpStoreServerOptions server_options;
   server_options.host = "127.0.0.1";
   server_options.token = "multiproc";
+  server_options.start_serving = false;  // no server thread while forking (see start_serving)
   TcpStoreServer server(server_options);
   const int port = server.port();
   constexpr int kChildren = 4;
@@ -360,6 +361,7 @@ TEST(TcpStoreMultiProcess, AddFromForkedChildrenSumsExactly) {
     store.add("done", 1);
   });
   ASSERT_EQ(pids.size(), static_cast<size_t>(kChildren));
+  server.start();  // the children's connections waited in the listen backlog
   for (pid_t pid : pids) EXPECT_EQ(wait_child(pid, 20s), 0);
   TcpStoreOptions options;
   options.port = port;
@@ -580,6 +582,42 @@ TEST(TcpStore, ConnectRetriesUntilTheServerStarts) {
   starter.join();
   store.set("k", "v");
   EXPECT_EQ(store.get("k"), "v");
+}
+
+// Threads of this process (the entries of /proc/self/task).
+int thread_count() {
+  int n = 0;
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("Threads:", 0) == 0) n = std::stoi(line.substr(8));
+  }
+  return n;
+}
+
+// start_serving = false: bound and listening (the port is known) with no thread, so a process can
+// fork first; a client that connects meanwhile waits in the backlog and is served after start().
+TEST(TcpStoreServer, DeferredStartRunsNoThreadUntilStart) {
+  const int before = thread_count();
+  auto options = server_options("deferred");
+  options.start_serving = false;
+  TcpStoreServer server(options);
+  EXPECT_GT(server.port(), 0);
+  EXPECT_EQ(thread_count(), before);
+  std::atomic<bool> connected{false};
+  std::string got;
+  std::thread client([&] {
+    TcpStore store(client_options(server.port(), "deferred"));
+    connected = true;
+    store.set("k", "v");
+    got = store.get("k");
+  });
+  std::this_thread::sleep_for(300ms);
+  EXPECT_FALSE(connected.load());  // its handshake waits for the server thread
+  server.start();
+  server.start();  // a second call does nothing
+  client.join();
+  EXPECT_TRUE(connected.load());
+  EXPECT_EQ(got, "v");
 }
 
 TEST(TcpStore, ConnectTimesOutNamingTheAddress) {

@@ -851,6 +851,12 @@ TcpStoreServer::TcpStoreServer(TcpStoreServerOptions options) : impl_(std::make_
   if (!impl_->wake_fd.valid()) {
     throw Error(impl_->name + ": eventfd failed: " + std::strerror(errno));
   }
+  if (impl_->options.start_serving) start();
+}
+
+void TcpStoreServer::start() {
+  std::lock_guard<std::mutex> lock(impl_->stop_mu);
+  if (impl_->thread.joinable() || impl_->stopping.load()) return;
   Impl* impl = impl_.get();
   impl_->thread = std::thread([impl] { impl->run(); });
 }

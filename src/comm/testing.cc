@@ -42,6 +42,7 @@ std::vector<ChildReport> run_ranks_independent(int world,
   TcpStoreServerOptions so;
   so.host = "127.0.0.1";
   so.token = random_token();
+  so.start_serving = false;  // no server thread while forking (see TcpStoreServerOptions)
   TcpStoreServer server(so);
   std::vector<pid_t> pids;
   std::vector<int> fds;
@@ -72,6 +73,7 @@ std::vector<ChildReport> run_ranks_independent(int world,
     pids.push_back(pid);
     fds.push_back(p[0]);
   }
+  server.start();
   std::vector<ChildReport> out(static_cast<size_t>(world));
   auto until = std::chrono::steady_clock::now() + deadline;
   for (int r = 0; r < world; ++r) {

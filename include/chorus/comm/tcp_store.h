@@ -32,6 +32,11 @@ struct TcpStoreServerOptions {
   std::string token;      // job token clients must prove ("" = accept clients with "" only)
   bool quiet = false;     // do not log refused or malformed peers to stderr
   size_t max_value_bytes = kDefaultMaxValueBytes;  // largest value a client may set
+  // false: the constructor binds and listens (port() is known, clients' connections wait in the
+  // kernel's backlog) but starts no thread until start(). For forking workers first: fork() copies
+  // only the calling thread, and a lock the server thread held at that moment (OpenSSL's random
+  // generator during a handshake, the log's) would stay locked forever in the child.
+  bool start_serving = true;
 };
 
 class TcpStoreServer {
@@ -42,6 +47,8 @@ class TcpStoreServer {
   TcpStoreServer& operator=(const TcpStoreServer&) = delete;
 
   int port() const;
+  // Starts serving (the server thread) if it has not started yet; see start_serving.
+  void start();
   // Counters for tests and diagnostics.
   int64_t refused_connections() const;
   int64_t malformed_messages() const;
