@@ -5,20 +5,29 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <string>
 
 namespace chorus_fuzz {
 
-// A directory of this process's own, made once (removed by nobody: it holds one small file per
-// name, rewritten by every input).
+// A directory of this process's own, made once, holding one small file per name (rewritten by
+// every input), and removed with what is in it when the process exits normally (a replay test
+// leaves nothing behind; a crash leaves it for a look).
 inline const std::string& scratch_dir() {
-  static const std::string dir = [] {
-    const char* base = std::getenv("TMPDIR");
-    std::string tmpl = std::string(base != nullptr && base[0] != '\0' ? base : "/tmp") + "/chorus-fuzz-XXXXXX";
-    if (mkdtemp(tmpl.data()) == nullptr) std::abort();
-    return tmpl;
-  }();
-  return dir;
+  struct Dir {
+    std::string path;
+    Dir() {
+      const char* base = std::getenv("TMPDIR");
+      path = std::string(base != nullptr && base[0] != '\0' ? base : "/tmp") + "/chorus-fuzz-XXXXXX";
+      if (mkdtemp(path.data()) == nullptr) std::abort();
+    }
+    ~Dir() {
+      std::error_code ignored;
+      std::filesystem::remove_all(path, ignored);
+    }
+  };
+  static const Dir dir;
+  return dir.path;
 }
 
 // Writes [data, data + size) to scratch_dir()/name and returns its path.
