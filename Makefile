@@ -5,7 +5,14 @@ CMAKE_FLAGS ?=
 CTEST_FLAGS ?=
 STRESS_REPEAT ?= 20
 
-.PHONY: all deps configure build run test stress bench clean
+# Fuzzing (docs/fuzzing.md): clang and libFuzzer in a build directory of its own. Not part of `make
+# test`, which replays every target's committed corpus (the fuzz_*_replay tests) instead.
+FUZZ_BUILD_DIR ?= build-fuzz
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS ?= store_request handshake message_header init_url cluster_env idx idx_example image s3_xml csv \
+                checkpoint pickle
+
+.PHONY: all deps configure build run test stress bench clean fuzz fuzz-build fuzz-ci
 
 all: build
 
@@ -40,6 +47,22 @@ ACCELERATOR_ROW = accelerator example={bin}/chorus run -n {world} --bind-cpu {bi
 bench: build
 	bench/compare-gloo
 	bench/compare-ddp --row '$(ACCELERATOR_ROW)'
+
+$(FUZZ_BUILD_DIR)/build.ninja:
+	CC=clang CXX=clang++ cmake -S . -B $(FUZZ_BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DCHORUS_BUILD_FUZZERS=ON -DCHORUS_BUILD_TESTS=OFF -DCHORUS_BUILD_BENCHMARKS=OFF -DCHORUS_INSTALL=OFF
+
+fuzz-build: deps $(FUZZ_BUILD_DIR)/build.ninja
+	cmake --build $(FUZZ_BUILD_DIR) --target $(addprefix fuzz_,$(FUZZ_TARGETS))
+
+# Each target for FUZZ_SECONDS, from its seeds and what earlier runs found ($(FUZZ_BUILD_DIR)/fuzz-corpus,
+# not committed); crashes land in $(FUZZ_BUILD_DIR)/fuzz-crashes.
+fuzz: fuzz-build
+	FUZZ_SECONDS=$(FUZZ_SECONDS) scripts/run-fuzzers $(FUZZ_BUILD_DIR) $(FUZZ_TARGETS)
+
+# A short smoke run of every target (10 s each, about 2 minutes plus the build).
+fuzz-ci:
+	$(MAKE) fuzz FUZZ_SECONDS=10
 
 clean:
 	rm -rf $(BUILD_DIR)

@@ -68,6 +68,8 @@ uint32_t be32(const uint8_t* b) {
   return (uint32_t{b[0]} << 24) | (uint32_t{b[1]} << 16) | (uint32_t{b[2]} << 8) | b[3];
 }
 
+}  // namespace
+
 // Reads an IDX file of unsigned bytes with `dims` dimensions into a uint8 tensor of its shape. The
 // header is checked first (magic, item count, 28x28 items), so a file that claims more than it
 // should, or a gzip bomb, costs no more than the header; the data must be exactly as long as the
@@ -102,8 +104,6 @@ at::Tensor read_idx(const std::string& dir, const std::string& name, int dims) {
   }
   return out;
 }
-
-}  // namespace
 
 Split load_split(const std::string& dir, bool train) {
   const std::string prefix = train ? "train" : "t10k";

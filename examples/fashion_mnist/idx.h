@@ -19,6 +19,11 @@ struct Split {
 // too. Throws std::runtime_error naming the file and what is wrong with it.
 Split load_split(const std::string& dir, bool train);
 
+// One IDX file of unsigned bytes with `dims` dimensions (1 or 3): <dir>/<name>.gz, else <dir>/<name>,
+// as a uint8 tensor of its shape. Checks the header first (at most 10^6 items of 28x28) and the
+// length; throws std::runtime_error naming the file. (load_split's reader; fuzz/idx_example.cc.)
+at::Tensor read_idx(const std::string& dir, const std::string& name, int dims);
+
 // Pixels to the network's input, as PyTorch's MNIST example: (x / 255 - 0.1307) / 0.3081.
 at::Tensor normalise(const at::Tensor& images_uint8);
 

@@ -4,7 +4,7 @@
 //
 //   chorus data render-fashion-mnist data/fmnist --format png
 //   transfer --data data/fmnist --classes T-shirt_top,Trouser,Pullover,Dress,Coat --save backbone.pt
-//   transfer --data data/fmnist --classes Sandal,Shirt,Sneaker,Bag,Ankle_boot --shots 50 \
+//   transfer --data data/fmnist --classes Sandal,Shirt,Sneaker,Bag,Ankle_boot --shots 50
 //            --init backbone.pt --freeze-backbone --run-name finetune
 //   transfer --data data/fmnist --classes Sandal,Shirt,Sneaker,Bag,Ankle_boot --shots 50 --run-name scratch
 //

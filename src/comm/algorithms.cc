@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "chorus/comm/check.h"
 #include "plan.h"
 #include "reduce.h"
 
@@ -53,6 +54,9 @@ void ring(Transport& t, Scratch& s, const wire::Call& call, const plan::RingPlan
     const bool reducing = step < n - 1;
     for (int j = 0; j < plan.segments; ++j) {
       plan::Range g = plan.segment(c, j);
+      // A segment outside the buffer, or larger than the scratch it is received into, would
+      // overwrite memory that is not the caller's.
+      CHORUS_CHECK(g.offset + g.count <= plan.count && g.count <= seg_max, "ring segment out of its buffer");
       char* dst = at(buf, g.offset, esz);
       if (reducing) {
         t.wait(t.recv(prev, call, tmp, g.count * esz));

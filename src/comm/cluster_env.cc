@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "chorus/comm/error.h"
+#include "chorus/comm/hash.h"
 
 namespace chorus {
 namespace {
@@ -427,15 +428,6 @@ std::vector<int> expand_tasks_per_node(const std::string& text, const std::strin
     out.insert(out.end(), static_cast<size_t>(repeat), count);
   }
   return out;
-}
-
-uint64_t fnv1a64(const std::string& text) {
-  uint64_t h = 14695981039346656037ull;
-  for (unsigned char ch : text) {
-    h ^= ch;
-    h *= 1099511628211ull;
-  }
-  return h;
 }
 
 int derived_master_port(const std::string& job_key) {

@@ -70,7 +70,6 @@ std::vector<int> expand_tasks_per_node(const std::string& text, const std::strin
 // from the same job key; two jobs on one master collide with probability 1 / 12768.
 constexpr int kDerivedPortBase = 20000;
 constexpr int kDerivedPortCount = 32768 - kDerivedPortBase;
-uint64_t fnv1a64(const std::string& text);
 
 // Strict decimal integer: the whole text, in [lo, hi]; false (and *out untouched) otherwise.
 bool parse_int(const std::string& text, int lo, int hi, int* out);

@@ -1,5 +1,6 @@
 // resolve_cluster_env(): each launcher's variables, their precedence, Slurm's host lists and the
 // errors for missing or malformed variables. Pure: environments are maps, nothing is started.
+#include "chorus/comm/hash.h"
 #include "cluster_env.h"
 
 #include <gmock/gmock.h>

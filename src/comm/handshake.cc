@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "chorus/comm/error.h"
+#include "chorus/comm/random.h"
 
 namespace chorus::handshake {
 namespace {
@@ -267,3 +268,18 @@ bool drain_until_closed(int fd) {
 }
 
 }  // namespace chorus::handshake
+
+namespace chorus {
+
+std::string random_token() {
+  static const char* hex = "0123456789abcdef";
+  std::string out;
+  for (char c : handshake::random_bytes(16)) {
+    const auto b = static_cast<unsigned char>(c);
+    out.push_back(hex[b >> 4]);
+    out.push_back(hex[b & 15]);
+  }
+  return out;
+}
+
+}  // namespace chorus

@@ -60,7 +60,7 @@ class RankMapTransport final : public Transport {
   int index_;
 };
 
-class HybridTransport final : public Transport {
+class HybridTransport final : public Transport, public NativeCollectives {
  public:
   HybridTransport(std::unique_ptr<Transport> tcp, std::unique_ptr<ShmTransportApi> shm, plan::HostPlan plan,
                   const HybridOptions& o)
@@ -95,7 +95,9 @@ class HybridTransport final : public Transport {
   void wait(Ticket ticket) override { tcp_->wait(ticket); }
   void wait_all() override { tcp_->wait_all(); }
 
-  bool native_allreduce(void* buf, size_t count, DataType dtype, ReduceOp op) override {
+  NativeCollectives* native() override { return this; }
+
+  bool allreduce(void* buf, size_t count, DataType dtype, ReduceOp op) override {
     // Sums within and across hosts; an average divides by the whole world once, at the end.
     const ReduceOp partial = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
     auto across = [&](void* slice, size_t n) {
@@ -113,15 +115,15 @@ class HybridTransport final : public Transport {
     } else if (!shm_) {
       across(buf, count);
     } else if (even_) {
-      shm_->allreduce_with(buf, count, dtype, partial, across);
+      shm_->native()->allreduce_with(buf, count, dtype, partial, across);
     } else {
-      shm_->allreduce_through_leader(buf, count, dtype, partial, across);
+      shm_->native()->allreduce_through_leader(buf, count, dtype, partial, across);
     }
     if (op == ReduceOp::kAvg) reduce::finish_avg(dtype, buf, count, size());
     return true;
   }
 
-  bool native_broadcast(void* buf, size_t bytes, int root) override {
+  bool broadcast(void* buf, size_t bytes, int root) override {
     // Across hosts first, over TCP: the root to one rank of every other host (the root itself on
     // its own host, the lowest rank elsewhere); then within each host, over shared memory, from
     // that rank.
@@ -137,7 +139,7 @@ class HybridTransport final : public Transport {
       RankMapTransport across(*tcp_, heads, static_cast<int>(me - heads.begin()));
       algo::broadcast(across, tune_, call_, buf, bytes, 0);
     }
-    if (shm_) shm_->native_broadcast(buf, bytes, head_here);
+    if (shm_) shm_->native()->broadcast(buf, bytes, head_here);
     return true;
   }
 

@@ -4,6 +4,8 @@
 #include <string>
 #include <vector>
 
+#include "chorus/comm/check.h"
+#include "chorus/comm/error.h"
 #include "plan.h"
 
 namespace chorus::plan {
@@ -134,3 +136,27 @@ TEST(BroadcastHeads, RootFirstThenTheLowestRankOfEveryOtherHost) {
 
 }  // namespace
 }  // namespace chorus::plan
+
+namespace chorus {
+namespace {
+
+TEST(Check, PassesSilentlyAndFailsWithAnInternalErrorNamingTheSpot) {
+  int evaluated = 0;
+  CHORUS_CHECK(++evaluated == 1, "evaluated once");
+  EXPECT_EQ(evaluated, 1);
+  try {
+    const size_t offset = 10, count = 4, total = 12;
+    CHORUS_CHECK(offset + count <= total, "segment out of its buffer");
+    FAIL() << "no throw";
+  } catch (const UsageError&) {
+    FAIL() << "a broken invariant is chorus's bug, not a UsageError";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("chorus internal error at plan_test.cc:"), std::string::npos) << what;
+    EXPECT_NE(what.find("offset + count <= total (segment out of its buffer)"), std::string::npos) << what;
+    EXPECT_NE(what.find("bug in chorus"), std::string::npos) << what;
+  }
+}
+
+}  // namespace
+}  // namespace chorus

@@ -15,6 +15,7 @@
 
 #include "algorithms.h"
 #include "chorus/comm/error.h"
+#include "chorus/comm/log.h"
 #include "chorus/comm/rendezvous.h"
 #include "chorus/comm/signals.h"
 #include "message.h"
@@ -26,25 +27,8 @@ namespace {
 
 using net::Clock;
 
-uint8_t classify(const std::exception& e) {
-  if (dynamic_cast<const TimeoutError*>(&e)) return transport::kErrTimeout;
-  if (dynamic_cast<const PeerError*>(&e)) return transport::kErrPeer;
-  if (dynamic_cast<const MismatchError*>(&e)) return transport::kErrMismatch;
-  if (dynamic_cast<const HandshakeError*>(&e)) return transport::kErrHandshake;
-  if (dynamic_cast<const UsageError*>(&e)) return transport::kErrUsage;
-  return transport::kErrOther;
-}
-
-std::exception_ptr make_error(uint8_t cls, const std::string& msg) {
-  switch (cls) {
-    case transport::kErrTimeout: return std::make_exception_ptr(TimeoutError(msg));
-    case transport::kErrPeer: return std::make_exception_ptr(PeerError(msg));
-    case transport::kErrMismatch: return std::make_exception_ptr(MismatchError(msg));
-    case transport::kErrHandshake: return std::make_exception_ptr(HandshakeError(msg));
-    case transport::kErrUsage: return std::make_exception_ptr(UsageError(msg));
-    default: return std::make_exception_ptr(Error(msg));
-  }
-}
+using transport::error_class_of;
+using transport::make_error;
 
 class WorkImpl;
 
@@ -156,6 +140,7 @@ struct ProcessGroup::Impl final : InlineRunner {
   int size;
   ProcessGroupOptions opts;
   std::unique_ptr<transport::Transport> transport;
+  transport::NativeCollectives* native = nullptr;  // transport's own collectives, if it has any
   algo::Scratch scratch;
   algo::Tuning tune;
 
@@ -229,7 +214,7 @@ struct ProcessGroup::Impl final : InlineRunner {
       task.run(*task.work, task.call);
       task.work->finish(nullptr);
     } catch (const std::exception& e) {
-      uint8_t cls = classify(e);
+      uint8_t cls = error_class_of(e);
       broken_msg = e.what();
       broken_class = cls;
       broken.store(true, std::memory_order_release);
@@ -379,11 +364,10 @@ std::unique_ptr<transport::Transport> make_transport(Store* store, const transpo
       if (n > 1 && free_on[id] < need) {
         short_host = id;
         if (to.rank == 0) {
-          std::fprintf(stderr,
-                       "[chorus] group '%s': /dev/shm on host %s has %llu bytes free but its %d ranks need %llu "
-                       "for shared memory; using tcp (in a container, raise --shm-size)\n",
-                       options.group_name.c_str(), id.c_str(), static_cast<unsigned long long>(free_on[id]), n,
-                       static_cast<unsigned long long>(need));
+          chorus::log(LogLevel::kWarning, "group '" + options.group_name + "': /dev/shm on host " + id + " has " +
+                                      std::to_string(free_on[id]) + " bytes free but its " + std::to_string(n) +
+                                      " ranks need " + std::to_string(need) +
+                                      " for shared memory; using tcp (in a container, raise --shm-size)");
         }
       }
     }
@@ -456,9 +440,10 @@ ProcessGroup::ProcessGroup(std::shared_ptr<Store> store, int rank, int size, Pro
     const std::string what = e.what();
     const std::string prefix = "chorus: rank " + std::to_string(rank) + ": group '" + options.group_name + "' setup: ";
     const std::string msg = what.rfind("chorus: rank", 0) == 0 ? what : prefix + what;
-    std::rethrow_exception(make_error(classify(e), msg));
+    std::rethrow_exception(make_error(error_class_of(e), msg));
   }
   m.transport->set_spin_gate(&m.waiters);
+  m.native = m.transport->native();
   m.worker = std::thread([this] { impl_->loop(); });
 }
 
@@ -491,7 +476,7 @@ std::shared_ptr<Work> ProcessGroup::allreduce(void* data, size_t count, DataType
   m.check_buffer(data, count, "allreduce");
   element_size(dtype);
   return m.enqueue(OpType::kAllreduce, dtype, op, count, 0, [&m, data, count, dtype, op](WorkImpl&, const Call& c) {
-    if (m.size > 1 && m.transport->native_allreduce(data, count, dtype, op)) return;
+    if (m.size > 1 && m.native != nullptr && m.native->allreduce(data, count, dtype, op)) return;
     algo::allreduce(*m.transport, m.scratch, m.tune, c, data, count, dtype, op);
   });
 }
@@ -502,7 +487,7 @@ std::shared_ptr<Work> ProcessGroup::broadcast(void* data, size_t count, DataType
   m.check_root(root, "broadcast");
   const size_t bytes = count * element_size(dtype);
   return m.enqueue(OpType::kBroadcast, dtype, ReduceOp::kSum, count, root, [&m, data, bytes, root](WorkImpl&, const Call& c) {
-    if (m.size > 1 && m.transport->native_broadcast(data, bytes, root)) return;
+    if (m.size > 1 && m.native != nullptr && m.native->broadcast(data, bytes, root)) return;
     algo::broadcast(*m.transport, m.tune, c, data, bytes, root);
   });
 }
@@ -525,7 +510,7 @@ std::shared_ptr<Work> ProcessGroup::allgather(const void* in, void* out, size_t 
   std::vector<size_t> sizes(static_cast<size_t>(m.size), bytes);
   return m.enqueue(OpType::kAllgather, dtype, ReduceOp::kSum, count, 0,
                    [&m, in, out, bytes, sizes = std::move(sizes)](WorkImpl&, const Call& c) {
-                     if (m.size > 1 && m.transport->native_allgather(in, out, bytes)) return;
+                     if (m.size > 1 && m.native != nullptr && m.native->allgather(in, out, bytes)) return;
                      algo::allgatherv(*m.transport, c, in, out, sizes);
                    });
 }
@@ -667,7 +652,7 @@ std::shared_ptr<Buffer> ProcessGroup::allocate_buffer(size_t bytes) {
   auto region = std::make_shared<std::shared_ptr<transport::SharedRegion>>();
   auto work = m.enqueue(OpType::kAllocateBuffer, DataType::kUInt8, ReduceOp::kSum, bytes, 0,
                         [&m, region, bytes](WorkImpl&, const Call&) {
-    if (m.size > 1) *region = m.transport->allocate_shared(bytes);
+    if (m.size > 1 && m.native != nullptr) *region = m.native->allocate_shared(bytes);
   });
   work->wait();
   if (*region) return std::make_shared<SharedBuffer>(std::move(*region));
@@ -760,18 +745,17 @@ std::shared_ptr<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ra
 
 std::shared_ptr<ProcessGroup> connect_process_group(const std::string& init_method, int rank, int world_size,
                                                     ProcessGroupOptions options) {
-  // Make sure uncaught exceptions reach chorus run's report (links in the load-time hook too).
-  if (const char* path = std::getenv("CHORUS_ERROR_FILE"); path != nullptr && *path != '\0') {
-    install_error_file_handler(path);
-  }
   RendezvousOptions ro;
   ro.timeout = options.timeout;
   Rendezvous rv = rendezvous(init_method, rank, world_size, ro);
+  // Make sure uncaught exceptions reach chorus run's report (signals.cc also installs it when the
+  // program starts, for exceptions thrown before any chorus call).
+  if (!rv.error_file.empty()) install_error_file_handler(rv.error_file.c_str());
   // A launcher that restarts a job gives each attempt its own key space in the shared store, so a
   // new attempt never reads the addresses an earlier one published.
-  if (const char* prefix = std::getenv("CHORUS_STORE_PREFIX"); prefix != nullptr && *prefix != '\0') {
-    rv.store = std::make_shared<PrefixStore>(prefix, rv.store);
-  }
+  if (!rv.store_prefix.empty()) rv.store = std::make_shared<PrefixStore>(rv.store_prefix, rv.store);
+  // CHORUS_TRANSPORT replaces the automatic choice; a transport the caller named stays.
+  if (options.transport == "auto" && !rv.transport.empty()) options.transport = rv.transport;
   if (options.token.empty()) options.token = rv.token;
   if (options.advertise_host.empty()) options.advertise_host = rv.local_address;
   return std::make_shared<ProcessGroup>(rv.store, rv.rank, rv.world_size, options);

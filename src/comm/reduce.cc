@@ -15,6 +15,15 @@
 namespace chorus::reduce {
 namespace {
 
+// IEEE half precision. Clang before 15 has no _Float16 on x86 (the fuzz build uses Debian's clang
+// 14); its __fp16 is the same storage format with the same conversions, arithmetic done in float
+// as here anyway.
+#if defined(__clang__) && __clang_major__ < 15
+using Half = __fp16;
+#else
+using Half = _Float16;
+#endif
+
 inline float bf16_bits_to_float(uint16_t b) {
   uint32_t u = static_cast<uint32_t>(b) << 16;
   float f;
@@ -93,13 +102,13 @@ CHORUS_DEFINE_BF16(prod_bf16, a * b)
 CHORUS_DEFINE_BF16(min_bf16, (b < a ? b : a))
 CHORUS_DEFINE_BF16(max_bf16, (a < b ? b : a))
 
-#define CHORUS_DEFINE_F16(NAME, EXPR)                                                           \
-  CHORUS_CLONES void NAME(_Float16* __restrict dst, const _Float16* __restrict src, size_t n) { \
-    for (size_t i = 0; i < n; ++i) {                                                            \
-      float a = static_cast<float>(dst[i]);                                                     \
-      float b = static_cast<float>(src[i]);                                                     \
-      dst[i] = static_cast<_Float16>(EXPR);                                                     \
-    }                                                                                           \
+#define CHORUS_DEFINE_F16(NAME, EXPR)                                                   \
+  CHORUS_CLONES void NAME(Half* __restrict dst, const Half* __restrict src, size_t n) { \
+    for (size_t i = 0; i < n; ++i) {                                                    \
+      float a = static_cast<float>(dst[i]);                                             \
+      float b = static_cast<float>(src[i]);                                             \
+      dst[i] = static_cast<Half>(EXPR);                                                 \
+    }                                                                                   \
   }
 CHORUS_DEFINE_F16(sum_f16, a + b)
 CHORUS_DEFINE_F16(prod_f16, a * b)
@@ -114,12 +123,12 @@ void divide(T* p, size_t n, int d) {
 }  // namespace
 
 float half_to_float(uint16_t h) {
-  _Float16 v;
+  Half v;
   std::memcpy(&v, &h, 2);
   return static_cast<float>(v);
 }
 uint16_t float_to_half(float f) {
-  _Float16 v = static_cast<_Float16>(f);
+  Half v = static_cast<Half>(f);
   uint16_t h;
   std::memcpy(&h, &v, 2);
   return h;
@@ -141,7 +150,7 @@ void reduce_into(DataType dtype, ReduceOp op, void* dst, const void* src, size_t
   switch (dtype) {
     case DataType::kFloat32: CHORUS_DISPATCH(f32, float)
     case DataType::kFloat64: CHORUS_DISPATCH(f64, double)
-    case DataType::kFloat16: CHORUS_DISPATCH(f16, _Float16)
+    case DataType::kFloat16: CHORUS_DISPATCH(f16, Half)
     case DataType::kBFloat16: CHORUS_DISPATCH(bf16, uint16_t)
     case DataType::kInt8: CHORUS_DISPATCH(i8, int8_t)
     case DataType::kUInt8: CHORUS_DISPATCH(u8, uint8_t)
@@ -174,8 +183,8 @@ void finish_avg(DataType dtype, void* data, size_t n, int divisor) {
     case DataType::kInt32: return divide(static_cast<int32_t*>(data), n, divisor);
     case DataType::kInt64: return divide(static_cast<int64_t*>(data), n, divisor);
     case DataType::kFloat16: {
-      auto* p = static_cast<_Float16*>(data);
-      for (size_t i = 0; i < n; ++i) p[i] = static_cast<_Float16>(static_cast<float>(p[i]) / divisor);
+      auto* p = static_cast<Half*>(data);
+      for (size_t i = 0; i < n; ++i) p[i] = static_cast<Half>(static_cast<float>(p[i]) / divisor);
       return;
     }
     case DataType::kBFloat16: {

@@ -18,24 +18,22 @@
 #include <sstream>
 
 #include "chorus/comm/error.h"
+#include "chorus/comm/log.h"
 #include "chorus/comm/spawn.h"
 #include "chorus/comm/tcp_store.h"
 #include "cluster_env.h"
+#include "error_class.h"
+#include "rendezvous_url.h"
 
 extern char** environ;  // POSIX; <unistd.h> declares it only with _GNU_SOURCE
 
 namespace chorus {
 namespace {
 
+using rendezvous_url::Url;
+
 constexpr const char* kForms =
     "env://, tcp://HOST:PORT?rank=R&world_size=W[&token=T] or file:///PATH?rank=R&world_size=W";
-
-struct Url {
-  std::string text;    // as given, for messages
-  std::string scheme;  // "env", "tcp", "file"
-  std::string body;    // between "://" and "?"
-  std::map<std::string, std::string> query;
-};
 
 [[noreturn]] void bad_url(const Url& url, const std::string& what) {
   throw UsageError("rendezvous URL '" + url.text + "': " + what);
@@ -58,7 +56,9 @@ std::string percent_decode(const Url& url, const std::string& s) {
   return out;
 }
 
-Url parse_url(const std::string& text) {
+}  // namespace
+
+Url rendezvous_url::parse_url(const std::string& text) {
   Url url;
   url.text = text;
   const size_t sep = text.find("://");
@@ -99,6 +99,8 @@ Url parse_url(const std::string& text) {
   return url;
 }
 
+namespace {
+
 const char* env(const char* name) {
   const char* v = std::getenv(name);
   return (v != nullptr && v[0] != '\0') ? v : nullptr;
@@ -126,7 +128,9 @@ Environment current_environment() {
 
 // The rank or world size from the explicit argument, else the URL's parameter; -1 when neither
 // gives it (env:// then asks the environment).
-int arg_or_param(const Url& url, int arg, const char* param, int lo) {
+}  // namespace
+
+int rendezvous_url::arg_or_param(const Url& url, int arg, const char* param, int lo) {
   if (arg >= 0) return arg;
   auto it = url.query.find(param);
   if (it == url.query.end()) return -1;
@@ -138,9 +142,11 @@ int arg_or_param(const Url& url, int arg, const char* param, int lo) {
   return v;
 }
 
+namespace {
+
 // tcp:// and file:// take the rank and world size from the arguments or the URL only.
 int require_arg_or_param(const Url& url, int arg, const char* param, int lo) {
-  const int v = arg_or_param(url, arg, param, lo);
+  const int v = rendezvous_url::arg_or_param(url, arg, param, lo);
   if (v < 0) {
     bad_url(url, std::string("no ") + param + "; add ?rank=R&world_size=W to the URL or pass " +
                      param + " explicitly");
@@ -150,38 +156,58 @@ int require_arg_or_param(const Url& url, int arg, const char* param, int lo) {
 
 // Rethrows `e` with `context` appended, keeping its type.
 [[noreturn]] void rethrow_with(const Error& e, const std::string& context) {
-  const std::string what = e.what() + context;
-  if (dynamic_cast<const TimeoutError*>(&e) != nullptr) throw TimeoutError(what);
-  if (dynamic_cast<const HandshakeError*>(&e) != nullptr) throw HandshakeError(what);
-  if (dynamic_cast<const PeerError*>(&e) != nullptr) throw PeerError(what);
-  if (dynamic_cast<const UsageError*>(&e) != nullptr) throw UsageError(what);
-  if (dynamic_cast<const MismatchError*>(&e) != nullptr) throw MismatchError(what);
-  throw Error(what);
+  transport::throw_error(transport::error_class_of(e), e.what() + context);
 }
 
-// "host:port" or "[v6]:port".
-void split_host_port(const Url& url, const std::string& text, std::string* host, int* port) {
+}  // namespace
+
+int restart_count() {
+  int count = 0;
+  for (const char* name : {"CHORUS_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"}) {
+    int v = 0;
+    if (const char* text = env(name); text != nullptr && parse_int(text, 0, 1 << 30, &v)) count = std::max(count, v);
+  }
+  return count;
+}
+
+bool launched_job(std::string* rank) {
+  auto var = [](const char* name) -> const char* {
+    const char* v = std::getenv(name);
+    return v != nullptr && v[0] != '\0' ? v : nullptr;
+  };
+  auto several = [](const char* n) { return n != nullptr && std::strcmp(n, "1") != 0; };
+  const char* found = var("RANK");
+  if (found == nullptr && several(var("OMPI_COMM_WORLD_SIZE"))) found = var("OMPI_COMM_WORLD_RANK");
+  const bool step = var("SLURM_STEP_ID") != nullptr || var("SLURM_STEPID") != nullptr;
+  const char* tasks = var("SLURM_STEP_NUM_TASKS") != nullptr ? var("SLURM_STEP_NUM_TASKS") : var("SLURM_NTASKS");
+  if (found == nullptr && step && several(tasks)) found = var("SLURM_PROCID");
+  if (found != nullptr && rank != nullptr) *rank = found;
+  return found != nullptr;
+}
+
+std::string split_host_port(const std::string& text, std::string* host, int* port) {
+  std::string h;
   std::string port_text;
   if (!text.empty() && text[0] == '[') {
     const size_t close = text.find(']');
     if (close == std::string::npos || close + 1 >= text.size() || text[close + 1] != ':') {
-      bad_url(url, "expected [IPV6]:PORT, got '" + text + "'");
+      return "expected [IPV6]:PORT, got '" + text + "'";
     }
-    *host = text.substr(1, close - 1);
+    h = text.substr(1, close - 1);
     port_text = text.substr(close + 2);
   } else {
     const size_t colon = text.rfind(':');
-    if (colon == std::string::npos) bad_url(url, "no port; write tcp://HOST:PORT");
-    *host = text.substr(0, colon);
+    if (colon == std::string::npos) return "no port in '" + text + "'";
+    h = text.substr(0, colon);
     port_text = text.substr(colon + 1);
   }
-  if (host->empty()) bad_url(url, "no host; write tcp://HOST:PORT");
-  if (!parse_int(port_text, 1, 65535, port)) {
-    bad_url(url, "port must be an integer in [1, 65535], got '" + port_text + "'");
-  }
+  if (h.empty()) return "no host in '" + text + "'";
+  int p = 0;
+  if (!parse_int(port_text, 1, 65535, &p)) return "port must be an integer in [1, 65535], got '" + port_text + "'";
+  *host = h;
+  *port = p;
+  return "";
 }
-
-}  // namespace
 
 std::string read_token_file(const std::string& path) {
   struct stat st {};
@@ -214,15 +240,15 @@ std::string read_token_file(const std::string& path) {
 
 Rendezvous rendezvous(const std::string& text, int rank, int world_size,
                       RendezvousOptions options) {
-  const Url url = parse_url(text);
+  const Url url = rendezvous_url::parse_url(text);
   Rendezvous rv;
   ClusterEnv cluster;
   if (url.scheme == "env") {
     if (!url.body.empty()) {
       bad_url(url, "env:// takes no address: MASTER_ADDR and MASTER_PORT give it");
     }
-    const int world_hint = arg_or_param(url, world_size, "world_size", 1);
-    const int rank_hint = arg_or_param(url, rank, "rank", 0);
+    const int world_hint = rendezvous_url::arg_or_param(url, world_size, "world_size", 1);
+    const int rank_hint = rendezvous_url::arg_or_param(url, rank, "rank", 0);
     cluster = resolve_cluster_env(current_environment(), rank_hint, world_hint);
     rv.world_size = cluster.world_size;
     rv.rank = cluster.rank;
@@ -239,6 +265,12 @@ Rendezvous rendezvous(const std::string& text, int rank, int world_size,
                      " is outside [0, " + std::to_string(rv.world_size) + ") for world_size " +
                      std::to_string(rv.world_size));
   }
+  if (const char* v = env("CHORUS_ERROR_FILE")) rv.error_file = v;
+  if (const char* v = env("CHORUS_STORE_PREFIX")) rv.store_prefix = v;
+  if (const char* v = env("CHORUS_TRANSPORT")) rv.transport = v;  // checked by the process group
+  // From here on the library's log lines name this rank; CHORUS_LOG_LEVEL quiets them or asks for more.
+  if (const char* level = env("CHORUS_LOG_LEVEL")) set_log_level(parse_log_level(level));
+  set_log_rank(rv.rank);
   // Rank 0 hosts the server unless a launcher already does.
   const bool external_store = env_flag("CHORUS_STORE_EXTERNAL");
   auto token = url.query.find("token");
@@ -281,7 +313,9 @@ Rendezvous rendezvous(const std::string& text, int rank, int world_size,
     store.host = cluster.master_addr;
     store.port = cluster.master_port;
   } else {
-    split_host_port(url, url.body, &store.host, &store.port);
+    if (const std::string bad = split_host_port(url.body, &store.host, &store.port); !bad.empty()) {
+      bad_url(url, bad + "; write tcp://HOST:PORT");
+    }
   }
   require_token();
   store.is_server = rv.rank == 0 && !external_store;

@@ -115,9 +115,91 @@ class RendezvousTest : public ::testing::Test {
       "MASTER_ADDR",          "MASTER_PORT",   "RANK",          "WORLD_SIZE",
       "CHORUS_JOB_TOKEN",     "CHORUS_STORE_EXTERNAL",          "CHORUS_JOB_TOKEN_FILE",
       "SLURM_PROCID",         "SLURM_STEP_ID", "SLURM_NTASKS",  "SLURM_JOB_ID",
-      "SLURM_STEP_NODELIST"};
+      "SLURM_STEP_NODELIST",  "SLURM_STEPID",  "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE",
+      "OMPI_COMM_WORLD_RANK", "CHORUS_ERROR_FILE", "CHORUS_STORE_PREFIX", "CHORUS_TRANSPORT",
+      "CHORUS_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"};
   std::map<std::string, std::string> saved_;
 };
+
+TEST_F(RendezvousTest, ReadsTheChorusVariablesForTheLayersAbove) {
+  const std::string path = "/tmp/chorus-rendezvous-env-" + std::to_string(::getpid());
+  Rendezvous plain = rendezvous("file://" + path + "?rank=0&world_size=1");
+  EXPECT_EQ(plain.error_file, "");
+  EXPECT_EQ(plain.store_prefix, "");
+  EXPECT_EQ(plain.transport, "");
+  ::setenv("CHORUS_ERROR_FILE", "/tmp/err.json", 1);
+  ::setenv("CHORUS_STORE_PREFIX", "attempt-2/", 1);
+  ::setenv("CHORUS_TRANSPORT", "tcp", 1);
+  Rendezvous rv = rendezvous("file://" + path + "?rank=0&world_size=1");
+  EXPECT_EQ(rv.error_file, "/tmp/err.json");
+  EXPECT_EQ(rv.store_prefix, "attempt-2/");
+  EXPECT_EQ(rv.transport, "tcp");
+  std::remove(path.c_str());
+}
+
+TEST_F(RendezvousTest, RestartCountIsTheLargestLaunchersCount) {
+  EXPECT_EQ(restart_count(), 0);
+  ::setenv("TORCHELASTIC_RESTART_COUNT", "2", 1);
+  ::setenv("CHORUS_RESTART_COUNT", "1", 1);
+  EXPECT_EQ(restart_count(), 2);
+  ::setenv("SLURM_RESTART_COUNT", "not a number", 1);  // ignored, not a crash
+  EXPECT_EQ(restart_count(), 2);
+}
+
+TEST_F(RendezvousTest, LaunchedJobFollowsEachLaunchersVariables) {
+  std::string rank = "untouched";
+  EXPECT_FALSE(launched_job(&rank));
+  EXPECT_EQ(rank, "untouched");
+  ::setenv("RANK", "3", 1);  // chorus run, torchrun
+  EXPECT_TRUE(launched_job(&rank));
+  EXPECT_EQ(rank, "3");
+  ::unsetenv("RANK");
+  ::setenv("OMPI_COMM_WORLD_RANK", "1", 1);
+  ::setenv("OMPI_COMM_WORLD_SIZE", "1", 1);  // a one-process mpirun is no job of ranks
+  EXPECT_FALSE(launched_job());
+  ::setenv("OMPI_COMM_WORLD_SIZE", "4", 1);
+  EXPECT_TRUE(launched_job(&rank));
+  EXPECT_EQ(rank, "1");
+  ::unsetenv("OMPI_COMM_WORLD_SIZE");
+  ::setenv("SLURM_PROCID", "2", 1);
+  ::setenv("SLURM_NTASKS", "4", 1);
+  EXPECT_FALSE(launched_job());  // an sbatch script: no step id
+  ::setenv("SLURM_STEP_ID", "0", 1);
+  EXPECT_TRUE(launched_job(&rank));
+  EXPECT_EQ(rank, "2");
+  ::setenv("SLURM_STEP_NUM_TASKS", "1", 1);  // a one-task step, whatever the job's task count
+  EXPECT_FALSE(launched_job());
+}
+
+// The one HOST:PORT parser of rendezvous URLs, chorus run's endpoints and transport addresses.
+TEST(SplitHostPort, AcceptsNamesIpv4AndBracketedIpv6) {
+  std::string host;
+  int port = 0;
+  EXPECT_EQ(split_host_port("node-1.cluster:29500", &host, &port), "");
+  EXPECT_EQ(host, "node-1.cluster");
+  EXPECT_EQ(port, 29500);
+  EXPECT_EQ(split_host_port("10.0.0.2:1", &host, &port), "");
+  EXPECT_EQ(host, "10.0.0.2");
+  EXPECT_EQ(port, 1);
+  EXPECT_EQ(split_host_port("[fe80::1%eth0]:65535", &host, &port), "");
+  EXPECT_EQ(host, "fe80::1%eth0");
+  EXPECT_EQ(port, 65535);
+}
+
+TEST(SplitHostPort, SaysWhatIsWrongAndLeavesTheOutputsAlone) {
+  std::string host = "untouched";
+  int port = 7;
+  EXPECT_THAT(split_host_port("node", &host, &port), ::testing::HasSubstr("no port"));
+  EXPECT_THAT(split_host_port(":80", &host, &port), ::testing::HasSubstr("no host"));
+  EXPECT_THAT(split_host_port("node:0", &host, &port), ::testing::HasSubstr("[1, 65535], got '0'"));
+  EXPECT_THAT(split_host_port("node:65536", &host, &port), ::testing::HasSubstr("got '65536'"));
+  EXPECT_THAT(split_host_port("node:80x", &host, &port), ::testing::HasSubstr("got '80x'"));
+  EXPECT_THAT(split_host_port("node:", &host, &port), ::testing::HasSubstr("got ''"));
+  EXPECT_THAT(split_host_port("[::1]80", &host, &port), ::testing::HasSubstr("expected [IPV6]:PORT"));
+  EXPECT_THAT(split_host_port("[::1", &host, &port), ::testing::HasSubstr("expected [IPV6]:PORT"));
+  EXPECT_EQ(host, "untouched");
+  EXPECT_EQ(port, 7);
+}
 
 TEST_F(RendezvousTest, MalformedUrlsAreUsageErrors) {
   expect_usage_error("", {"malformed rendezvous URL", "env://"});

@@ -4,7 +4,7 @@
 //   [Header][ring to rank 0]...[ring to rank n-1][collective area: 2 halves]
 // - Rings carry the same messages as TCP (wire::Header + payload), so every generic algorithm
 //   and the mismatch checks work unchanged; a ring is single-producer (the owner) single-consumer.
-// - native_allreduce uses the collective areas: each rank copies its chunk into its own area,
+// - allreduce (ShmCollectives) uses the collective areas: each rank copies its chunk into its own area,
 //   reduces its slice straight out of every rank's area, and all copy the reduced slices back.
 //   Two barriers per chunk; the areas alternate halves so a chunk's copy-in never races the
 //   previous chunk's copy-out.
@@ -37,7 +37,10 @@
 #include <unordered_set>
 #include <vector>
 
+#include "chorus/comm/check.h"
 #include "chorus/comm/error.h"
+#include "chorus/comm/log.h"
+#include "chorus/comm/hash.h"
 #include "chorus/comm/store.h"
 #include "plan.h"
 #include "reduce.h"
@@ -62,7 +65,7 @@ struct Desc {
   std::atomic<uint64_t> seq_plus_one{0};  // 0 = empty
   wire::Call call;
   // An allreduce on a shared buffer: its id + 1 and the byte offset in it (0, 0 for other memory).
-  // Written in begin() and by native_allreduce, before the call's first barrier.
+  // Written in begin() and by allreduce, before the call's first barrier.
   std::atomic<uint64_t> region{0};
   std::atomic<uint64_t> offset{0};
 };
@@ -100,12 +103,6 @@ struct RingCtl {
 };
 
 size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
-
-uint64_t hash_token(const std::string& t) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a
-  for (unsigned char c : t) h = (h ^ c) * 1099511628211ull;
-  return h;
-}
 
 long futex(std::atomic<uint32_t>* addr, int op, uint32_t val, const timespec* ts) {
   return ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), op, val, ts, nullptr, 0);
@@ -196,7 +193,7 @@ class Region final : public SharedRegion {
   std::vector<void*> bases_;
 };
 
-class ShmTransport final : public ShmTransportApi {
+class ShmTransport final : public ShmTransportApi, public ShmCollectives {
  public:
   ShmTransport(const ShmOptions& o) : o_(o) {}
 
@@ -238,7 +235,7 @@ class ShmTransport final : public ShmTransportApi {
     h->rank = o_.rank;
     h->size = n;
     h->pid = ::getpid();
-    h->token_hash = hash_token(o_.token);
+    h->token_hash = fnv1a64(o_.token);
     h->ring_bytes = ring_bytes_;
     h->collective_bytes = coll_half_;
     h->small_bytes = o_.small_bytes;
@@ -276,9 +273,17 @@ class ShmTransport final : public ShmTransportApi {
     while (o_.store->add(count, 0) < n) {
       if (Clock::now() > o_.deadline) throw TimeoutError(me() + ": shared-memory setup timed out waiting for the other ranks to map");
       for (int r = 0; r < n; ++r) {
-        if (r != o_.rank && (gone(r) || segs_[static_cast<size_t>(r)].hdr->state.load(std::memory_order_acquire) != kLive)) {
-          throw PeerError(me() + ": " + peer_name(r) + " failed or exited during shared-memory setup");
+        if (r == o_.rank) continue;
+        SegHeader* ph = segs_[static_cast<size_t>(r)].hdr;
+        const uint32_t st = ph->state.load(std::memory_order_acquire);
+        if (!gone(r) && st == kLive) continue;
+        // A peer that saw the last rank map has finished setup and may already have failed in its
+        // first operation: then setup is complete here too, and that operation reports the failure.
+        if (o_.store->add(count, 0) >= n) break;
+        if (st == kAborted) {
+          throw_error(ph->error_class, me() + ": " + peer_name(r) + " failed during shared-memory setup: " + ph->message);
         }
+        throw PeerError(me() + ": " + peer_name(r) + " failed or exited during shared-memory setup");
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
@@ -339,7 +344,9 @@ class ShmTransport final : public ShmTransportApi {
     wait_until([&] { return pending_.empty(); }, "its next message");
   }
 
-  bool native_allreduce(void* buf, size_t count, DataType dtype, ReduceOp op) override {
+  ShmCollectives* native() override { return this; }
+
+  bool allreduce(void* buf, size_t count, DataType dtype, ReduceOp op) override {
     const size_t bytes = count * element_size(dtype);
     std::shared_ptr<Region> region;
     size_t offset = 0;
@@ -396,7 +403,7 @@ class ShmTransport final : public ShmTransportApi {
     }
     auto region = std::make_shared<Region>(id, len, o_.rank, n);
     if (base != MAP_FAILED) region->set_base(o_.rank, base);
-    native_allgather(&mine, records.data(), sizeof(Record));
+    allgather(&mine, records.data(), sizeof(Record));
     std::string failed;
     for (int r = 0; r < n && failed.empty(); ++r) {
       if (!records[static_cast<size_t>(r)].ok) {
@@ -406,8 +413,8 @@ class ShmTransport final : public ShmTransportApi {
     }
     if (!failed.empty()) {
       if (o_.rank == 0) {
-        std::fprintf(stderr, "chorus: %s: a shared buffer of %zu bytes is not available (%s); using ordinary memory, "
-                     "whose allreduce copies through the staging areas\n", me().c_str(), len, failed.c_str());
+        chorus::log(LogLevel::kWarning, me() + ": a shared buffer of " + std::to_string(len) + " bytes is not available (" +
+                                    failed + "); using ordinary memory, whose allreduce copies through the staging areas");
       }
       return nullptr;
     }
@@ -432,7 +439,7 @@ class ShmTransport final : public ShmTransportApi {
     return region;
   }
 
-  bool native_broadcast(void* buf, size_t bytes, int root) override {
+  bool broadcast(void* buf, size_t bytes, int root) override {
     // Per chunk: the root publishes it in its area, one barrier, the others copy it out.
     char* data = static_cast<char*>(buf);
     for_each_chunk(bytes, coll_half_, [&](size_t done, size_t len, char* mine, int half) {
@@ -444,7 +451,7 @@ class ShmTransport final : public ShmTransportApi {
     return true;
   }
 
-  bool native_allgather(const void* in, void* out, size_t bytes) override {
+  bool allgather(const void* in, void* out, size_t bytes) override {
     // Per chunk of every rank's block: each publishes its piece, one barrier, all copy all pieces.
     const char* src = static_cast<const char*>(in);
     char* dst = static_cast<char*>(out);
@@ -671,6 +678,8 @@ class ShmTransport final : public ShmTransportApi {
       const size_t total = sizeof(wire::Header) + s.n;
       uint64_t head = c->head.v.load(std::memory_order_relaxed);
       uint64_t tail = c->tail.v.load(std::memory_order_acquire);
+      // More unread bytes than the ring holds would make `free` wrap and the write overrun it.
+      CHORUS_CHECK(head - tail <= ring_bytes_, "send ring holds more than its size");
       size_t free = ring_bytes_ - static_cast<size_t>(head - tail);
       if (free == 0) break;
       size_t k = std::min(free, total - s.off);
@@ -773,6 +782,7 @@ class ShmTransport final : public ShmTransportApi {
     const uint64_t head = c->head.v.load(std::memory_order_acquire);
     const size_t k = static_cast<size_t>(head - tail);
     if (k == 0) return false;
+    CHORUS_CHECK(k <= ring_bytes_, "receive ring holds more than its size");
     auto& inbox = inbox_[static_cast<size_t>(peer)];
     const size_t old = inbox.size();
     inbox.resize(old + k);
@@ -902,13 +912,7 @@ class ShmTransport final : public ShmTransportApi {
       SegHeader* h = segs_[static_cast<size_t>(p)].hdr;
       uint32_t st = h->state.load(std::memory_order_acquire);
       if (st == kAborted) {
-        std::string msg = prefix() + ": failed because " + peer_name(p) + " failed: " + h->message;
-        switch (h->error_class) {
-          case kErrTimeout: throw TimeoutError(msg);
-          case kErrPeer: throw PeerError(msg);
-          case kErrMismatch: throw MismatchError(msg);
-          default: throw Error(msg);
-        }
+        throw_error(h->error_class, prefix() + ": failed because " + peer_name(p) + " failed: " + h->message);
       }
       check_same_call(p, /*strict=*/false);
       if (!waiting_on(p)) continue;  // a peer that finished and left owes this rank nothing
@@ -1079,7 +1083,7 @@ uint64_t shm_free_bytes() {
 std::vector<Announcement> exchange_announcements(Store& store, const std::string& key_prefix, int rank, int size,
                                                  const std::string& token, const Announcement& mine,
                                                  Deadline deadline) {
-  const std::string token_hash = std::to_string(hash_token(token));
+  const std::string token_hash = std::to_string(fnv1a64(token));
   store.set(key_prefix + "/" + std::to_string(rank),
             std::to_string(size) + "\n" + token_hash + "\n" + mine.host + "\n" + mine.extra);
   std::vector<Announcement> all(static_cast<size_t>(size));

@@ -17,6 +17,7 @@
 #include <typeinfo>
 
 #include "chorus/comm/error.h"
+#include "chorus/comm/log.h"
 
 namespace chorus {
 namespace {
@@ -95,7 +96,7 @@ void write_record(const std::string& message, const std::string& type, bool rela
   } else {
     write_record(message, "none", false);
   }
-  std::fprintf(stderr, "chorus: uncaught exception: %s\n", message.c_str());
+  chorus::log(LogLevel::kError, "uncaught exception: " + message);
   if (g_previous != nullptr && g_previous != on_terminate) g_previous();
   std::abort();
 }

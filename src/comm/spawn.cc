@@ -124,17 +124,6 @@ int root_cause(const std::vector<Child>& children) {
 
 }  // namespace
 
-std::string random_token() {
-  static const char* hex = "0123456789abcdef";
-  std::string out;
-  for (char c : handshake::random_bytes(16)) {
-    const auto b = static_cast<unsigned char>(c);
-    out.push_back(hex[b >> 4]);
-    out.push_back(hex[b & 15]);
-  }
-  return out;
-}
-
 void spawn(int nprocs, const std::function<void(int rank, int world_size)>& fn,
            const SpawnOptions& options) {
   if (nprocs < 1) throw UsageError("spawn: nprocs must be >= 1, got " + std::to_string(nprocs));

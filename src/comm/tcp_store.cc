@@ -20,35 +20,25 @@
 #include <unordered_set>
 
 #include "chorus/comm/error.h"
+#include "chorus/comm/log.h"
 #include "handshake.h"
 #include "socket.h"
 #include "store_internal.h"
+#include "store_protocol.h"
 
 namespace chorus {
 namespace {
 
-enum class Parse { kNeedMore, kOk, kBad };
+using store_protocol::Command;
+using store_protocol::kMaxKeyBytes;
+using store_protocol::kMaxKeyListBytes;
+using store_protocol::kMaxKeysPerRequest;
+using store_protocol::Parse;
+using store_protocol::Request;
+using store_protocol::Status;
 
-// ---- Wire format -------------------------------------------------------------------------------
-// request: u8 command, then its fields; reply: u8 status, then the command's fields.
-// Strings are u32 length + bytes, numbers i64, lists u32 count + strings; all little-endian.
+// ---- Wire format (store_protocol.h) -------------------------------------------------------------
 
-enum class Command : uint8_t {
-  kSet = 1,         // key, value                    -> OK
-  kGet = 2,         // timeout_ms, key               -> OK value | TIMEOUT missing
-  kAdd = 3,         // key, delta                    -> OK i64 | ERROR message
-  kCompareSet = 4,  // key, expected, desired        -> OK value
-  kWait = 5,        // timeout_ms, keys              -> OK | TIMEOUT missing
-  kCheck = 6,       // keys                          -> OK u8
-  kDelete = 7,      // key                           -> OK u8
-  kNumKeys = 8,     //                               -> OK i64
-};
-
-enum class Status : uint8_t { kOk = 0, kTimeout = 1, kError = 2 };
-
-constexpr uint32_t kMaxKeyBytes = 64 * 1024;
-constexpr uint32_t kMaxKeysPerRequest = 64 * 1024;
-constexpr uint64_t kMaxKeyListBytes = 16u << 20;  // all keys of one wait or check together
 constexpr uint32_t kMaxErrorBytes = 64 * 1024;
 // A reply's value comes from the authenticated server, which bounds what it stores; this only
 // keeps a corrupt length from allocating more than a value can be.
@@ -194,15 +184,6 @@ class Reader {
   std::string error_;
 };
 
-struct Request {
-  Command cmd = Command::kNumKeys;
-  std::string key;
-  std::string value;     // set's value; compare_set's desired value
-  std::string expected;  // compare_set
-  int64_t number = 0;    // add's delta; get's and wait's timeout in ms
-  std::vector<std::string> keys;
-};
-
 bool read_request(Reader& r, Request* req, uint32_t max_value) {
   uint8_t cmd = 0;
   if (!r.u8(&cmd)) return false;
@@ -230,9 +211,10 @@ bool read_request(Reader& r, Request* req, uint32_t max_value) {
   return r.fail("unknown command " + std::to_string(cmd));
 }
 
-// Parses one request from the front of [data, data + n).
-Parse parse_request(const char* data, size_t n, uint32_t max_value, Request* req, size_t* consumed,
-                    std::string* error) {
+}  // namespace
+
+Parse store_protocol::parse_request(const char* data, size_t n, uint32_t max_value, Request* req,
+                                    size_t* consumed, std::string* error) {
   Reader measure(data, n, /*copy=*/false);
   Request scratch;
   if (!read_request(measure, &scratch, max_value)) {
@@ -245,6 +227,8 @@ Parse parse_request(const char* data, size_t n, uint32_t max_value, Request* req
   *consumed = r.consumed();
   return Parse::kOk;
 }
+
+namespace {
 
 bool is_ip_address(const std::string& host) {
   unsigned char buf[sizeof(in6_addr)];
@@ -324,7 +308,7 @@ struct TcpStoreServer::Impl {
   net::Deadline accept_paused_until{};
 
   void log(const std::string& line) const {
-    if (!options.quiet) std::fprintf(stderr, "[chorus] %s: %s\n", name.c_str(), line.c_str());
+    if (!options.quiet) chorus::log(LogLevel::kWarning, name + ": " + line);
   }
 
   void run() {
@@ -517,7 +501,7 @@ struct TcpStoreServer::Impl {
         size_t consumed = 0;
         std::string error;
         Request req;
-        Parse parse = parse_request(p, n, max_value, &req, &consumed, &error);
+        Parse parse = store_protocol::parse_request(p, n, max_value, &req, &consumed, &error);
         if (parse == Parse::kNeedMore) break;
         if (parse == Parse::kBad) {
           drop_malformed(c, error);
@@ -1062,7 +1046,7 @@ TcpStore::TcpStore(TcpStoreOptions options) : impl_(std::make_unique<Impl>()) {
   net::ConnectProgress progress;
   progress.interval = s.options.progress_interval;
   progress.who = s.options.who;
-  progress.report = [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); };
+  progress.report = [](const std::string& line) { chorus::log(LogLevel::kInfo, line); };
   s.fd = net::connect_tcp(s.options.host, s.port, deadline, "the TcpStore server",
                           s.options.progress_interval.count() > 0 ? &progress : nullptr);
   net::set_nodelay(s.fd.get());

@@ -21,7 +21,9 @@
 #include <vector>
 
 #include "chorus/comm/error.h"
-#include "chorus/comm/spawn.h"
+#include "chorus/comm/log.h"
+#include "chorus/comm/random.h"
+#include "chorus/comm/rendezvous.h"
 #include "chorus/comm/store.h"
 #include "handshake.h"
 #include "transport.h"
@@ -34,6 +36,7 @@ using net::Deadline;
 
 constexpr size_t kInboxBytes = 64 * 1024;     // read-ahead buffer per connection
 constexpr size_t kDirectReadBytes = 32 * 1024; // payload tails this large are read in place
+constexpr std::chrono::milliseconds kRelayWait(500);  // how long a failing peer's abort is looked for
 
 struct Conn {
   int peer = -1;
@@ -215,13 +218,32 @@ class TcpTransport final : public Transport {
 
   // A peer that failed sends an abort message before it shuts its side down; if one is waiting
   // between messages on this connection, raise the peer's own error, which names the root cause.
+  // A peer that fails finishes the message it is sending before its abort (say_to_all), and
+  // messages this rank has not asked for yet may be queued ahead of it: they are skipped (the
+  // operation fails anyway), for at most kRelayWait.
   void relay_abort(Conn& c) {
     if (relaying_ || !c.rx.valid()) return;
-    if (!c.recvs.empty() && c.recvs.front().have_header) return;  // mid-message: no abort can follow
     relaying_ = true;
-    bool eof = false;
+    const Deadline dl = Clock::now() + kRelayWait;
     try {
-      while (c.inbox_size() < sizeof(wire::Header) && fill_inbox(c, sizeof(wire::Header), &eof) > 0) {
+      size_t skip = 0;  // payload bytes of the message being received still to come
+      if (!c.recvs.empty() && c.recvs.front().have_header) skip = c.recvs.front().n - c.recvs.front().got;
+      for (bool eof = false;;) {
+        const size_t k = std::min(skip, c.inbox_size());
+        c.in_begin += k;
+        skip -= k;
+        if (skip == 0 && c.inbox_size() >= sizeof(wire::Header)) {
+          const wire::Header h = peek_header(c);
+          if (h.magic != wire::kMessageMagic || h.kind != wire::Kind::kData) break;  // control: read below
+          c.in_begin += sizeof(h);
+          skip = h.payload;
+          continue;
+        }
+        if (eof || Clock::now() >= dl) break;
+        if (fill_inbox(c, skip > 0 ? std::min(skip, kInboxBytes) : sizeof(wire::Header), &eof) == 0 && !eof) {
+          pollfd p{c.rx.get(), POLLIN, 0};
+          ::poll(&p, 1, 1);
+        }
       }
     } catch (const Error&) {
     }
@@ -297,15 +319,7 @@ class TcpTransport final : public Transport {
       net::read_full(c.rx.get(), text.data() + have, text.size() - have,
                      Clock::now() + std::chrono::milliseconds(500));
     }
-    std::string msg = prefix() + ": failed because " + peer_name(c.peer) + " failed: " + text;
-    switch (h.arg) {
-      case kErrTimeout: throw TimeoutError(msg);
-      case kErrPeer: throw PeerError(msg);
-      case kErrMismatch: throw MismatchError(msg);
-      case kErrHandshake: throw HandshakeError(msg);
-      case kErrUsage: throw UsageError(msg);
-      default: throw Error(msg);
-    }
+    throw_error(h.arg, prefix() + ": failed because " + peer_name(c.peer) + " failed: " + text);
   }
 
   // Makes what progress is possible on c's receives without blocking. Returns true if any.
@@ -594,14 +608,6 @@ bool parse_payload(const std::string& p, std::string* group, int* world, int* fr
   return found == 15;
 }
 
-std::string split_host(const std::string& hostport, int* port) {
-  auto colon = hostport.rfind(':');
-  if (colon == std::string::npos) return "";
-  *port = std::atoi(hostport.c_str() + colon + 1);
-  std::string host = hostport.substr(0, colon);
-  if (host.size() > 1 && host.front() == '[') host = host.substr(1, host.size() - 2);
-  return host;
-}
 
 
 // A connection to the listener may be a rank of this group, a rank of another job, or anything
@@ -681,15 +687,14 @@ class MeshSetup {
 
   std::string prefix() const { return "chorus: " + me_ + ": group '" + o_.group_name + "' setup"; }
 
-  // One line on stderr about a connection this rank dropped or refused; a flood of them is summed up.
+  // One log line about a connection this rank dropped or refused; a flood of them is summed up.
   void note(const std::string& what, const std::string& from, const std::string& why) {
     ++noted_;
     if (noted_ <= 5 || noted_ % 100 == 0) {
-      std::fprintf(stderr, "chorus: %s: %s a connection from %s: %s%s\n", me_.c_str(), what.c_str(), from.c_str(),
-                   why.c_str(),
-                   noted_ == 5 ? " (further lines like this are suppressed; every 100th is shown)"
-                   : noted_ > 5 ? (" (" + std::to_string(noted_) + " so far)").c_str()
-                                : "");
+      const std::string tail = noted_ == 5  ? " (further lines like this are suppressed; every 100th is shown)"
+                               : noted_ > 5 ? " (" + std::to_string(noted_) + " so far)"
+                                            : "";
+      chorus::log(LogLevel::kWarning, me_ + ": " + what + " a connection from " + from + ": " + why + tail);
     }
   }
 
@@ -761,7 +766,10 @@ class MeshSetup {
       const std::string key = o_.key_prefix + "/addr/" + std::to_string(c.peer);
       if (!o_.store->check({key})) continue;
       c.addr = o_.store->get(key);
-      c.host = split_host(c.addr, &c.port);
+      if (const std::string bad = split_host_port(c.addr, &c.host, &c.port); !bad.empty()) {
+        throw HandshakeError(prefix() + ": rank " + std::to_string(c.peer) + " published a listen address this rank "
+                             "cannot use: " + bad + " (store key " + key + "; another job writing the same keys?)");
+      }
       c.state = Outgoing::kWaitRetry;
       c.retry_at = Clock::now();
     }
@@ -965,8 +973,7 @@ class MeshSetup {
                 " (two processes with the same RANK?)";
     }
     if (!refusal.empty()) {
-      std::fprintf(stderr, "chorus: %s: refused a connection from %s: %s\n", me_.c_str(), c.from.c_str(),
-                   refusal.c_str());
+      chorus::log(LogLevel::kWarning, me_ + ": refused a connection from " + c.from + ": " + refusal);
       refuse(c, refusal);
       // A process of this job (it knows the token) with another configuration: fail loudly here
       // too instead of waiting for a rank that will never come.
@@ -976,8 +983,8 @@ class MeshSetup {
     const std::string accept = c.hs->accept();
     net::IoResult w = net::write_full(c.fd.get(), accept.data(), accept.size(), o_.deadline);
     if (!w.ok()) {
-      std::fprintf(stderr, "chorus: %s: lost the connection from rank %d (%s) while accepting it: %s\n",
-                   me_.c_str(), from, c.from.c_str(), w.describe().c_str());
+      chorus::log(LogLevel::kWarning, me_ + ": lost the connection from rank " + std::to_string(from) + " (" + c.from +
+                                  ") while accepting it: " + w.describe());
       c.fd.reset();
       return;
     }

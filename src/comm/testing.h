@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "chorus/comm/error.h"
 #include "chorus/comm/spawn.h"
 #include "chorus/comm/store.h"
 
@@ -41,5 +42,16 @@ std::string run_capture(const std::string& command, int* status);
 // The Python that parity tests run: CHORUS_PARITY_PYTHON (e.g. "/usr/bin/python3 -S" to see a
 // test skip), else /usr/bin/python3 (Debian's, with python3-torch).
 std::string parity_python();
+
+// What the UsageError that fn() throws says, or "(no UsageError)" when it throws none.
+template <typename F>
+std::string usage_error(F&& fn) {
+  try {
+    fn();
+  } catch (const UsageError& e) {
+    return e.what();
+  }
+  return "(no UsageError)";
+}
 
 }  // namespace chorus::testing

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "error_class.h"
 #include "message.h"
 #include "socket.h"
 
@@ -57,6 +58,24 @@ struct RecvItem {
   size_t got = 0;  // payload bytes received
 };
 
+// Collectives a transport runs itself, faster than the generic algorithms over its send/recv
+// (Transport::native()). Each is an operation of its own: the caller has called the transport's
+// begin() with the collective's call, and every rank of the group calls the same method with the
+// same sizes. A method that returns false did nothing: the caller runs the generic algorithm.
+class NativeCollectives {
+ public:
+  virtual ~NativeCollectives() = default;
+  virtual bool allreduce(void* buf, size_t count, DataType dtype, ReduceOp op) = 0;
+  virtual bool broadcast(void* buf, size_t bytes, int root) = 0;
+  // Every rank contributes `bytes` at `in`; `out` receives rank r's block at r * bytes.
+  virtual bool allgather(const void* in, void* out, size_t bytes) { return false; }
+  // A buffer of `bytes` that every rank maps, so that allreduce on it (or on the same range of it
+  // on every rank) reduces straight out of the peers' buffers and writes the results into them,
+  // with no staging copies; for buffers allreduced again and again (DDP's buckets). nullptr when
+  // the memory is not there (the caller then uses ordinary memory).
+  virtual std::shared_ptr<SharedRegion> allocate_shared(size_t bytes) { return nullptr; }
+};
+
 class Transport {
  public:
   virtual ~Transport() = default;
@@ -80,19 +99,9 @@ class Transport {
   // Progresses everything posted until nothing is pending.
   virtual void wait_all() = 0;
 
-  // Transports with a collective of their own (shared memory) run it here and return true;
-  // the default leaves the operation to the generic algorithms.
-  virtual bool native_allreduce(void* buf, size_t count, DataType dtype, ReduceOp op) { return false; }
-  virtual bool native_broadcast(void* buf, size_t bytes, int root) { return false; }
-  // Every rank contributes `bytes` at `in`; `out` receives rank r's block at r * bytes.
-  virtual bool native_allgather(const void* in, void* out, size_t bytes) { return false; }
-
-  // A buffer of `bytes` that every rank maps, so that native_allreduce on it (or on the same range
-  // of it on every rank) reduces straight out of the peers' buffers and writes the results into
-  // them, with no staging copies; for buffers allreduced again and again (DDP's buckets). nullptr
-  // when this transport cannot share memory or the memory is not there (the caller then uses
-  // ordinary memory). Runs as an operation of its own: begin() first, every rank, same bytes.
-  virtual std::shared_ptr<SharedRegion> allocate_shared(size_t bytes) { return nullptr; }
+  // The transport's own collectives (shared memory, the hybrid's hierarchy), or nullptr (the
+  // default): the process group then runs the generic algorithms over send/recv.
+  virtual NativeCollectives* native() { return nullptr; }
 
   // Busy-polling is allowed only while *gate > 0 (a thread waits for the group's work, so its core
   // is idle); otherwise the transport sleeps as soon as it must wait. nullptr: always allowed.
@@ -104,16 +113,6 @@ class Transport {
   // Says goodbye to every peer and closes: peers that still wait on this rank get a PeerError
   // saying this rank closed its group.
   virtual void close() = 0;
-};
-
-// Error classes carried by abort messages, so the peer rethrows the same exception type.
-enum ErrorClass : uint8_t {
-  kErrOther = 0,
-  kErrTimeout = 1,
-  kErrPeer = 2,
-  kErrMismatch = 3,
-  kErrHandshake = 4,
-  kErrUsage = 5,
 };
 
 struct TcpOptions {
@@ -155,16 +154,22 @@ struct ShmOptions {
 // into the reduction across hosts. Every rank of the host calls it once per chunk, in order.
 using SliceHook = std::function<void(void* slice, size_t count)>;
 
-// The shared-memory transport's own interface, for the hybrid transport.
-class ShmTransportApi : public Transport {
+// The shared-memory transport's collectives, with the hooks the hybrid's hierarchy needs.
+class ShmCollectives : public NativeCollectives {
  public:
-  // native_allreduce with `between` run on this rank's reduced slice of every chunk. `op` must
-  // not be kAvg when `between` is set (the caller divides by the whole world once at the end).
+  // allreduce with `between` run on this rank's reduced slice of every chunk. `op` must not be
+  // kAvg when `between` is set (the caller divides by the whole world once at the end).
   virtual void allreduce_with(void* buf, size_t count, DataType dtype, ReduceOp op, const SliceHook& between) = 0;
   // Rank 0 of the host reduces each whole chunk, runs `between` on it, and hands the result to the
   // others: for hosts with different numbers of ranks, where only the leaders talk across hosts.
   virtual void allreduce_through_leader(void* buf, size_t count, DataType dtype, ReduceOp op,
                                         const SliceHook& between) = 0;
+};
+
+// A shared-memory transport: its native() is never null and has the hybrid's hooks.
+class ShmTransportApi : public Transport {
+ public:
+  ShmCollectives* native() override = 0;
 };
 
 // Ranks on one host: each maps every rank's segment (created in /dev/shm, unlinked as soon as all

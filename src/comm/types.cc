@@ -1,5 +1,10 @@
 #include "chorus/comm/types.h"
 
+#include <cstring>
+#include <string>
+
+#include "chorus/comm/check.h"
+
 #include "chorus/comm/error.h"
 
 namespace chorus {
@@ -57,3 +62,14 @@ DataType parse_data_type(const std::string& name) {
 }
 
 }  // namespace chorus
+
+namespace chorus::detail {
+
+void check_failed(const char* file, int line, const char* condition, const std::string& what) {
+  const char* name = std::strrchr(file, '/');
+  throw Error(std::string("chorus internal error at ") + (name != nullptr ? name + 1 : file) + ":" +
+              std::to_string(line) + ": " + condition + " (" + what +
+              "); this is a bug in chorus, please report it with this line");
+}
+
+}  // namespace chorus::detail

@@ -15,6 +15,7 @@
 #include <sstream>
 #include <string>
 
+#include "chorus/comm/check.h"
 #include "chorus/comm/error.h"
 #include "chorus/comm/types.h"
 #include "chorus/torch/distributed.h"
@@ -197,6 +198,10 @@ at::Tensor gather_evaluation(const at::Tensor& local_results, int64_t dataset_si
       for (int r = 0; r < world; ++r) {
         counts.push_back(static_cast<size_t>(evaluation_range(dataset_size, world, r).size()) * row_size);
       }
+      // The checks above made this rank's rows its block; a different count would shift every
+      // later rank's items in `out`.
+      CHORUS_CHECK(counts[static_cast<size_t>(me)] == static_cast<size_t>(mine.rows) * row_size,
+                   "this rank's rows are not its evaluation block");
       pg.allgatherv(local.data_ptr(), out.data_ptr(), counts, DataType::kUInt8)->wait();
     } else {
       // gather takes equal blocks: pad every rank to the largest block (rank 0's), then close the

@@ -32,15 +32,7 @@ TEST(EvaluationSplit, ContiguousNearEqualBlocksCoverEveryItemOnce) {
   }
 }
 
-template <typename F>
-std::string usage_error(F&& f) {
-  try {
-    f();
-  } catch (const UsageError& e) {
-    return e.what();
-  }
-  return "(no UsageError)";
-}
+using testing::usage_error;
 
 TEST(EvaluationSplit, BadArgumentsGetClearErrors) {
   EXPECT_NE(usage_error([] { evaluation_range(-1, 2, 0); }).find("dataset_size is -1"), std::string::npos);

@@ -246,15 +246,7 @@ TEST(DistributedSampler, SaveAndLoadResumeMidPass) {
   }
 }
 
-template <typename F>
-std::string usage_error(F&& f) {
-  try {
-    f();
-  } catch (const UsageError& e) {
-    return e.what();
-  }
-  return "(no UsageError)";
-}
+using testing::usage_error;
 
 TEST(DistributedSampler, BadArgumentsGetClearErrors) {
   EXPECT_NE(usage_error([] { make(10, 2, 2); }).find("rank 2 is outside [0, 1]"), std::string::npos);

@@ -666,23 +666,9 @@ class Agent {
 }  // namespace
 
 void parse_endpoint(const std::string& text, std::string* host, int* port) {
-  auto colon = text.rfind(':');
-  if (colon == std::string::npos || colon == 0 || colon + 1 == text.size()) {
-    throw UsageError("chorus run: bad endpoint '" + text + "'; expected HOST:PORT");
+  if (const std::string bad = split_host_port(text, host, port); !bad.empty()) {
+    throw UsageError("chorus run: bad endpoint '" + text + "': " + bad + "; expected HOST:PORT");
   }
-  std::string h = text.substr(0, colon);
-  if (h.size() > 2 && h.front() == '[' && h.back() == ']') h = h.substr(1, h.size() - 2);
-  int p = 0;
-  try {
-    size_t pos = 0;
-    p = std::stoi(text.substr(colon + 1), &pos);
-    if (pos != text.size() - colon - 1) throw std::invalid_argument("");
-  } catch (...) {
-    throw UsageError("chorus run: bad port in endpoint '" + text + "'");
-  }
-  if (p < 0 || p > 65535) throw UsageError("chorus run: port out of range in endpoint '" + text + "'");
-  *host = h;
-  *port = p;
 }
 
 int run(const LaunchOptions& options) {

@@ -4,6 +4,7 @@
 #include <caffe2/serialize/inline_container.h>
 
 #include <cstring>
+#include <limits>
 #include <map>
 #include <memory>
 #include <unordered_map>
@@ -68,6 +69,17 @@ class Machine {
  public:
   Machine(const std::string& path, caffe2::serialize::PyTorchStreamReader& archive, const char* data, size_t size)
       : path_(path), archive_(archive), data_(data), size_(size) {}
+  // A pickle can put a container inside itself (through the memo): the shared_ptr cycle would
+  // never be freed (LeakSanitizer, fuzz/corpus/pickle/regression-reference-cycle.pkl). Every
+  // container the machine made is emptied when it is done; the caller has taken its tensors by then.
+  ~Machine() {
+    for (const ValuePtr& v : containers_) {
+      v->items.clear();
+      v->dict.clear();
+    }
+  }
+  Machine(const Machine&) = delete;
+  Machine& operator=(const Machine&) = delete;
 
   ValuePtr run() {
     while (true) {
@@ -213,7 +225,13 @@ class Machine {
     return it->second;
   }
 
-  void push(ValuePtr v) { stack_.push_back(std::move(v)); }
+  void push(ValuePtr v) {
+    // Every value the machine makes is pushed: containers are recorded here, for ~Machine.
+    if (v->kind == Value::Kind::kTuple || v->kind == Value::Kind::kList || v->kind == Value::Kind::kDict) {
+      containers_.push_back(v);
+    }
+    stack_.push_back(std::move(v));
+  }
   ValuePtr top() {
     if (stack_.empty()) fail("stack empty");
     return stack_.back();
@@ -295,7 +313,11 @@ class Machine {
     for (size_t d = 0; d < sizes.size(); ++d) {
       if (sizes[d] < 0 || strides[d] < 0) fail("negative tensor size or stride");
       if (sizes[d] == 0) empty = true;
-      last += (sizes[d] - 1) * strides[d];
+      int64_t reach = 0;
+      if (__builtin_mul_overflow(sizes[d] == 0 ? 0 : sizes[d] - 1, strides[d], &reach) ||
+          __builtin_add_overflow(last, reach, &last)) {
+        fail("tensor size and stride overflow int64");
+      }
     }
     if (offset < 0 || (!empty && last >= numel)) fail("tensor reaches past its storage");
     auto v = make(Value::Kind::kTensor);
@@ -316,13 +338,23 @@ class Machine {
     auto cached = storages_.find(key);
     if (cached != storages_.end()) return cached->second;
     const int64_t numel = pid->items[4]->i;
-    const size_t nbytes = static_cast<size_t>(numel) * at::elementSize(type->second);
+    const size_t element = at::elementSize(type->second);
+    // A negative count made an empty storage claim 2^64 - k bytes, and a tensor on it read through
+    // a null pointer (fuzz/corpus/pickle/regression-negative-storage-size.pkl).
+    if (numel < 0 || static_cast<uint64_t>(numel) > std::numeric_limits<size_t>::max() / element) {
+      fail("storage of " + std::to_string(numel) + " elements");
+    }
+    const size_t nbytes = static_cast<size_t>(numel) * element;
     at::DataPtr data;
     if (numel > 0) {
       const std::string record = "data/" + key;
-      if (!archive_.hasRecord(record)) fail("the archive has no " + record);
       size_t size = 0;
-      std::tie(data, size) = archive_.getRecord(record);
+      try {
+        if (!archive_.hasRecord(record)) fail("the archive has no " + record);
+        std::tie(data, size) = archive_.getRecord(record);
+      } catch (const c10::Error& e) {  // a damaged zip entry (bad header, checksum or compression)
+        fail("the archive's " + record + " cannot be read: " + e.what_without_backtrace());
+      }
       if (size < nbytes) fail(record + " holds " + std::to_string(size) + " bytes, not " + std::to_string(nbytes));
     }
     auto v = make(Value::Kind::kStorage);
@@ -342,6 +374,7 @@ class Machine {
   std::vector<size_t> marks_;
   std::unordered_map<uint64_t, ValuePtr> memo_;
   std::map<std::string, ValuePtr> storages_;
+  std::vector<ValuePtr> containers_;
 };
 
 }  // namespace
@@ -357,7 +390,12 @@ StateDict read_torch_save_dict(const std::string& path) {
     throw StateDictError("read_state_dict: " + path + " is not a readable torch.save archive: " +
                          e.what_without_backtrace());
   }
-  Machine machine(path, *archive, static_cast<const char*>(pickle.get()), size);
+  return read_pickled_dict(path, *archive, static_cast<const char*>(pickle.get()), size);
+}
+
+StateDict read_pickled_dict(const std::string& path, caffe2::serialize::PyTorchStreamReader& archive,
+                            const char* pickle, size_t size) {
+  Machine machine(path, archive, pickle, size);
   ValuePtr root = machine.run();
   if (root->kind != Value::Kind::kDict) {
     throw StateDictError("read_state_dict: " + path + " holds a " + kind_name(root->kind) +

@@ -136,6 +136,11 @@ int main(int argc, char** argv) {
   CLI::App* render_cmd = data->add_subcommand(
       "render-fashion-mnist", "write Fashion-MNIST as image files (an ImageFolder tree) and CSV datasets");
   chorus::tools::add_render_options(*render_cmd, render);
+  chorus::tools::PairsArgs pairs;
+  CLI::App* pairs_cmd = data->add_subcommand(
+      "render-fashion-mnist-pairs",
+      "write a multi-label CSV dataset: two Fashion-MNIST items side by side per image, the union of their classes");
+  chorus::tools::add_pairs_options(*pairs_cmd, pairs);
   chorus::tools::UploadArgs upload;
   CLI::App* upload_cmd = data->add_subcommand(
       "upload", "copy a local tree into s3://BUCKET/PREFIX (AWS_* variables give credentials and endpoint)");
@@ -176,6 +181,7 @@ int main(int argc, char** argv) {
     }
     if (b->parsed()) return chorus::tools::run_bench(bench);
     if (render_cmd->parsed()) return chorus::tools::run_render_fashion_mnist(render);
+    if (pairs_cmd->parsed()) return chorus::tools::run_render_fashion_mnist_pairs(pairs);
     if (upload_cmd->parsed()) return chorus::tools::run_upload(upload);
     if (rep->parsed()) {
       report.gnuplot_timeout = std::chrono::milliseconds(static_cast<int64_t>(gnuplot_timeout_s * 1000));

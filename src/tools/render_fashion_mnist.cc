@@ -4,8 +4,6 @@
 // the `chorus` tool free of libtorch (examples/fashion_mnist reads IDX into tensors).
 #include "render_fashion_mnist.h"
 
-#include <zlib.h>
-
 #include <algorithm>
 #include <array>
 #include <cerrno>
@@ -19,6 +17,7 @@
 #include "chorus/comm/error.h"
 #include "chorus/data/image.h"
 #include "chorus/data/image_transforms.h"
+#include "idx_reader.h"
 
 namespace chorus::tools {
 namespace {
@@ -40,60 +39,6 @@ constexpr std::array<Attribute, 4> kAttributes = {{
     {"footwear", {false, false, false, false, false, true, false, true, false, true}},
     {"accessory", {false, false, false, false, false, false, false, false, true, false}},
 }};
-
-uint32_t be32(const uint8_t* b) {
-  return (uint32_t{b[0]} << 24) | (uint32_t{b[1]} << 16) | (uint32_t{b[2]} << 8) | b[3];
-}
-
-// An IDX file of unsigned bytes (gzipped or plain): its sizes and data.
-struct Idx {
-  std::vector<uint32_t> shape;
-  std::vector<uint8_t> data;
-};
-
-Idx read_idx(const std::string& dir, const std::string& name, int dims) {
-  std::string path = dir + "/" + name + ".gz";
-  if (!fs::exists(path)) path = dir + "/" + name;
-  gzFile f = gzopen(path.c_str(), "rb");
-  if (f == nullptr) {
-    throw Error("cannot open " + path + ": " + std::strerror(errno) +
-                " (install Debian's dataset-fashion-mnist, or pass --data DIR)");
-  }
-  std::unique_ptr<gzFile_s, int (*)(gzFile)> guard(f, gzclose);
-  auto read = [&](uint8_t* out, size_t n) {
-    size_t got = 0;
-    while (got < n) {
-      const int k = gzread(f, out + got, static_cast<unsigned>(std::min<size_t>(n - got, 1u << 30)));
-      if (k < 0) {
-        int err = 0;
-        throw Error("cannot read " + path + ": " + gzerror(f, &err));
-      }
-      if (k == 0) break;
-      got += static_cast<size_t>(k);
-    }
-    return got;
-  };
-  uint8_t header[16];
-  const size_t header_bytes = 4 + 4 * static_cast<size_t>(dims);
-  if (read(header, header_bytes) != header_bytes || be32(header) != (0x0800u | static_cast<uint32_t>(dims))) {
-    throw Error(path + ": not an IDX file of unsigned bytes with " + std::to_string(dims) + " dimensions");
-  }
-  Idx idx;
-  size_t total = 1;
-  for (int i = 0; i < dims; ++i) {
-    idx.shape.push_back(be32(header + 4 + 4 * i));
-    total *= idx.shape.back();
-  }
-  if (idx.shape[0] > 1000000 || (dims == 3 && (idx.shape[1] != 28 || idx.shape[2] != 28))) {
-    throw Error(path + ": unexpected sizes in the header; damaged, or not Fashion-MNIST");
-  }
-  idx.data.resize(total);
-  uint8_t extra = 0;
-  if (read(idx.data.data(), total) != total || read(&extra, 1) != 0) {
-    throw Error(path + ": length differs from what its header says; truncated or damaged file?");
-  }
-  return idx;
-}
 
 std::string zero_padded(int64_t i) {
   char digits[24];
@@ -178,6 +123,70 @@ void add_render_options(CLI::App& app, RenderArgs& args) {
                "also write OUT_DIR/{train,test}.csv (path,label) and {train,test}_multilabel.csv "
                "(path,upper_body,lower_body,footwear,accessory,group; 0/1 columns, group = index / 10)");
   app.add_option("--quality", args.quality, "JPEG quality")->check(CLI::Range(1, 100))->capture_default_str();
+}
+
+void add_pairs_options(CLI::App& app, PairsArgs& args) {
+  app.add_option("OUT_DIR", args.out_dir, "output directory: OUT_DIR/pairs.csv and OUT_DIR/pairs/<index>.png|jpg")
+      ->required();
+  app.add_option("--data", args.data_dir, "directory of the IDX files (gzipped or not)")->capture_default_str();
+  app.add_option("--count", args.count, "pairs to write (items 2i and 2i+1 of the training split make pair i)")
+      ->check(CLI::Range(int64_t{1}, int64_t{30000}))
+      ->capture_default_str();
+  app.add_option("--size", args.size, "each item's side in pixels (28, 64 or 224); the image is SIZE x 2*SIZE")
+      ->check(CLI::IsMember({28, 64, 224}))
+      ->capture_default_str();
+  app.add_option("--format", args.format, "png or jpeg")->check(CLI::IsMember({"png", "jpeg"}))->capture_default_str();
+  app.add_option("--per-group", args.per_group, "consecutive pairs that share a group value (a 'patient')")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--quality", args.quality, "JPEG quality")->check(CLI::Range(1, 100))->capture_default_str();
+}
+
+// Pair i: items 2i and 2i+1 of the training split (whose order is already random), left and
+// right. Its labels: 1 for each of the two items' classes (one class when both share it).
+int run_render_fashion_mnist_pairs(const PairsArgs& args) {
+  const Idx images = read_idx(args.data_dir, "train-images-idx3-ubyte", 3);
+  const Idx labels = read_idx(args.data_dir, "train-labels-idx1-ubyte", 1);
+  const auto available = static_cast<int64_t>(std::min(images.shape[0], labels.shape[0]) / 2);
+  if (args.count > available) {
+    throw Error(args.data_dir + ": --count " + std::to_string(args.count) + " needs " +
+                std::to_string(2 * args.count) + " training items; there are " + std::to_string(2 * available));
+  }
+  fs::create_directories(args.out_dir + "/pairs");
+  const std::string csv_path = args.out_dir + "/pairs.csv";
+  std::ofstream csv(csv_path);
+  if (!csv) throw Error("cannot create " + csv_path + ": " + std::strerror(errno));
+  csv << "path";
+  for (const char* c : kClasses) csv << "," << c;
+  csv << ",patient\n";
+  const int s = args.size;
+  for (int64_t i = 0; i < args.count; ++i) {
+    data::Image pair(s, 2 * s, 1);
+    std::array<bool, 10> present{};
+    for (int64_t half = 0; half < 2; ++half) {
+      const int64_t item = 2 * i + half;
+      const uint8_t label = labels.data[static_cast<size_t>(item)];
+      if (label > 9) throw Error(args.data_dir + ": label " + std::to_string(label) + " at item " + std::to_string(item));
+      present[label] = true;
+      data::Image img(28, 28, 1);
+      std::memcpy(img.pixels.data(), images.data.data() + item * 28 * 28, 28 * 28);
+      if (s != 28) img = data::resize(img, s, s);
+      for (int y = 0; y < s; ++y) {
+        std::memcpy(pair.pixels.data() + (static_cast<size_t>(y) * 2 * s + static_cast<size_t>(half * s)),
+                    img.pixels.data() + static_cast<size_t>(y) * s, static_cast<size_t>(s));
+      }
+    }
+    const std::string rel = "pairs/" + zero_padded(i) + (args.format == "png" ? ".png" : ".jpg");
+    data::write_file(args.out_dir + "/" + rel,
+                     args.format == "png" ? data::encode_png(pair) : data::encode_jpeg(pair, args.quality));
+    csv << rel;
+    for (bool p : present) csv << "," << (p ? 1 : 0);
+    csv << ",p" << zero_padded(i / args.per_group) << "\n";
+  }
+  if (!csv.flush()) throw Error("cannot write " + csv_path);
+  std::printf("chorus data render-fashion-mnist-pairs: wrote %lld pairs (%dx%d, %s) and %s\n",
+              static_cast<long long>(args.count), s, 2 * s, args.format.c_str(), csv_path.c_str());
+  return 0;
 }
 
 int run_render_fashion_mnist(const RenderArgs& args) {

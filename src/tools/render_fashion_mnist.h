@@ -22,4 +22,19 @@ struct RenderArgs {
 void add_render_options(CLI::App& app, RenderArgs& args);
 int run_render_fashion_mnist(const RenderArgs& args);
 
+// `chorus data render-fashion-mnist-pairs`: a multi-label CSV dataset whose images hold two
+// Fashion-MNIST items side by side, labelled with the union of their classes.
+struct PairsArgs {
+  std::string out_dir;
+  std::string data_dir = "/usr/share/datasets/fashion-mnist";
+  int64_t count = 6000;        // pairs (from the first 2 * count items of the training split)
+  int size = 28;               // each half's side: the image is size x (2 * size)
+  std::string format = "png";  // png or jpeg
+  int64_t per_group = 4;       // consecutive pairs sharing one group value ("patient")
+  int quality = 90;
+};
+
+void add_pairs_options(CLI::App& app, PairsArgs& args);
+int run_render_fashion_mnist_pairs(const PairsArgs& args);
+
 }  // namespace chorus::tools

@@ -142,11 +142,7 @@ void init_process_group(const std::string& backend, const std::string& init_meth
   }
   ProcessGroupOptions o = options.group;
   o.timeout = options.timeout;
-  if (!forced_transport.empty()) {
-    o.transport = forced_transport;
-  } else if (const char* forced = std::getenv("CHORUS_TRANSPORT"); forced != nullptr && forced[0] != '\0') {
-    o.transport = forced;  // checked by the process group, which lists the valid names
-  }
+  if (!forced_transport.empty()) o.transport = forced_transport;  // else CHORUS_TRANSPORT, read by rendezvous
   g_default = connect_process_group(init_method, rank, world_size, o);
   if (!g_atexit_registered) {
     // Peers that outlive this process learn it left cleanly (goodbye) rather than died.

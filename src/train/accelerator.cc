@@ -21,6 +21,7 @@
 #include <limits>
 #include <unordered_set>
 
+#include "chorus/comm/rendezvous.h"
 #include "chorus/comm/signals.h"
 #include "chorus/comm/spawn.h"
 #include "chorus/train/checkpoint.h"
@@ -190,13 +191,6 @@ std::string shape_of(const at::Tensor& t) {
   return out.str();
 }
 
-int restart_count() {
-  int count = 0;
-  for (const char* name : {"CHORUS_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"}) {
-    if (const char* v = std::getenv(name)) count = std::max(count, std::atoi(v));
-  }
-  return count;
-}
 
 std::string now_iso8601() {
   std::time_t t = std::time(nullptr);
@@ -1017,22 +1011,6 @@ bool Accelerator::load_state(const std::string& dir) {
 // ---- Running a job ----
 
 namespace {
-// This process's rank when a launcher started it as one rank of a job, else nullptr. An sbatch
-// script has SLURM_PROCID too, but no step id; a one-task mpirun or srun step is no job of ranks.
-const char* launched_rank() {
-  auto var = [](const char* name) -> const char* {
-    const char* v = std::getenv(name);
-    return v != nullptr && v[0] != '\0' ? v : nullptr;
-  };
-  auto several = [](const char* n) { return n != nullptr && std::strcmp(n, "1") != 0; };
-  if (const char* rank = var("RANK")) return rank;
-  if (several(var("OMPI_COMM_WORLD_SIZE"))) return var("OMPI_COMM_WORLD_RANK");
-  const bool step = var("SLURM_STEP_ID") != nullptr || var("SLURM_STEPID") != nullptr;
-  const char* tasks = var("SLURM_STEP_NUM_TASKS") != nullptr ? var("SLURM_STEP_NUM_TASKS") : var("SLURM_NTASKS");
-  if (step && several(tasks)) return var("SLURM_PROCID");
-  return nullptr;
-}
-
 std::string one_line(const std::exception& e) {
   const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
   std::string message = c10_error != nullptr ? c10_error->what_without_backtrace() : e.what();
@@ -1057,18 +1035,18 @@ void set_num_threads(int threads) {
 }
 
 int run_job(const char* program, int nproc, const std::function<void()>& train) {
-  if (const char* rank = launched_rank()) {
+  if (std::string rank; launched_job(&rank)) {
     if (nproc > 0) {
       std::fprintf(stderr,
                    "%s: error: this process is rank %s of a job started by a launcher (chorus run, torchrun, srun or "
                    "mpirun), so it cannot start ranks itself; drop --nproc\n",
-                   program, rank);
+                   program, rank.c_str());
       return 2;
     }
     try {
       train();
     } catch (const std::exception& e) {
-      return report(program, std::string("rank ") + rank, e);
+      return report(program, "rank " + rank, e);
     }
     return 0;
   }

@@ -7,6 +7,7 @@
 #include "chorus/train/checkpoint.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <caffe2/serialize/inline_container.h>
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -16,6 +17,7 @@
 #include <torch/serialize.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
+#include <torch/csrc/jit/serialization/import_read.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -31,8 +33,11 @@
 #include <utility>
 #include <vector>
 
-#include "chorus/comm/spawn.h"
+#include "chorus/comm/hash.h"
+#include "chorus/comm/log.h"
+#include "chorus/comm/random.h"
 #include "chorus/torch/distributed.h"
+#include "checkpoint_internal.h"
 
 namespace chorus::train {
 namespace {
@@ -111,15 +116,10 @@ std::string read_file(const std::string& path) {
   return out;
 }
 
-// FNV-1a, 64 bit: catches truncated or damaged files; not a defence against tampering.
-std::string fnv1a64(const std::string& data) {
-  uint64_t h = 14695981039346656037ull;
-  for (unsigned char c : data) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
+// FNV-1a, 64 bit, as 16 hex digits: catches truncated or damaged files; not a defence against tampering.
+std::string checksum(const std::string& data) {
   char out[17];
-  std::snprintf(out, sizeof(out), "%016" PRIx64, h);
+  std::snprintf(out, sizeof(out), "%016" PRIx64, fnv1a64(data));
   return out;
 }
 
@@ -210,8 +210,21 @@ std::string join_some(const std::vector<std::string>& names) {
   return out;
 }
 
+// torch::pickle_load, reading through an istream. pickle_load itself reads its bytes through
+// libtorch 1.13's VectorReader, which copies whatever range the zip reader asks for: a damaged
+// model.pt or rng.pt made it read past the end of the buffer (found by fuzz/checkpoint.cc; the
+// input is fuzz/corpus/checkpoint/regression-rng-pt-read-past-end). libtorch's istream adapter
+// checks every read and throws instead.
+torch::IValue pickle_load_checked(const std::string& bytes) {
+  std::istringstream in(bytes);
+  caffe2::serialize::PyTorchStreamReader archive(&in);
+  return torch::jit::readArchiveAndTensors("data", /*pickle_prefix=*/"", /*tensor_prefix=*/"",
+                                           /*type_resolver=*/c10::nullopt, /*obj_loader=*/c10::nullopt,
+                                           /*device=*/c10::nullopt, archive);
+}
+
 void load_model(const std::string& bytes, torch::nn::Module& model) {
-  torch::IValue value = torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end()));
+  torch::IValue value = pickle_load_checked(bytes);
   if (!value.isGenericDict()) throw CheckpointError("model.pt does not hold a dict of tensors");
   std::map<std::string, at::Tensor> saved;
   for (const auto& item : value.toGenericDict()) {
@@ -294,7 +307,7 @@ std::string rng_bytes(const std::vector<std::string>& states) {
 }
 
 void load_rng(const std::string& bytes, int rank) {
-  torch::IValue value = torch::pickle_load(std::vector<char>(bytes.begin(), bytes.end()));
+  torch::IValue value = pickle_load_checked(bytes);
   if (!value.isTensorList()) throw CheckpointError("rng.pt does not hold a list of generator states");
   auto list = value.toTensorList();
   if (list.size() == 0) return;
@@ -357,7 +370,7 @@ void remove_entries(const std::string& dir, const std::vector<std::string>& name
   for (const auto& name : names) {
     std::error_code rec;
     fs::remove_all(fs::path(dir) / name, rec);
-    if (rec) std::cerr << "chorus: checkpoint " << dir << ": cannot remove " << name << ": " << rec.message() << "\n";
+    if (rec) chorus::log(LogLevel::kWarning, "checkpoint " + dir + ": cannot remove " + name + ": " + rec.message());
   }
 }
 
@@ -421,7 +434,7 @@ void write_version(const std::string& dir, torch::nn::Module& model, torch::opti
   json files = json::object();
   auto write = [&](const char* file, const std::string& bytes) {
     write_file((fs::path(tmp) / file).string(), bytes.data(), bytes.size(), options.fsync);
-    files[file] = {{"bytes", bytes.size()}, {"fnv1a64", fnv1a64(bytes)}};
+    files[file] = {{"bytes", bytes.size()}, {"fnv1a64", checksum(bytes)}};
     hook(file);
   };
   write(kModelFile, model_bytes(model));
@@ -481,9 +494,15 @@ Blobs read_version(const std::string& dir) {
                           " is newer than this chorus reads (" + std::to_string(kFormatVersion) + ")");
   }
   for (const auto& [file, meta] : doc.at("files").items()) {
+    // Only files of this version: a name with a '/' could reach any file (a device that never
+    // ends, a file of another user's), none of which save_checkpoint wrote.
+    if (file.empty() || file == "." || file == ".." || file == kStateFile || file.find('/') != std::string::npos) {
+      throw CheckpointError("checkpoint " + *path + ": state.json lists '" + file +
+                            "', which is not a file name of this version (damaged or hand-edited manifest)");
+    }
     std::string bytes = read_file((fs::path(*path) / file).string());
     const size_t want = meta.at("bytes").get<size_t>();
-    if (bytes.size() != want || fnv1a64(bytes) != meta.at("fnv1a64").get<std::string>()) {
+    if (bytes.size() != want || checksum(bytes) != meta.at("fnv1a64").get<std::string>()) {
       throw CheckpointError("checkpoint " + *path + ": " + file + " is damaged (" + std::to_string(bytes.size()) +
                             " bytes, manifest says " + std::to_string(want) + ", or its checksum differs)");
     }
@@ -617,5 +636,17 @@ std::optional<CheckpointState> load_checkpoint(const std::string& dir, torch::nn
   }
   return st;
 }
+
+// ---- entry points for the fuzz target (checkpoint_internal.h) -----------------------------------
+
+namespace detail {
+
+CheckpointFiles read_checkpoint_files(const std::string& dir) { return read_version(dir); }
+CheckpointFiles unpack_checkpoint_message(const std::string& message) { return unpack(message); }
+CheckpointState parse_checkpoint_state(const std::string& state_json) { return parse_state(state_json); }
+void load_checkpoint_model(const std::string& model_pt, torch::nn::Module& model) { load_model(model_pt, model); }
+void load_checkpoint_rng(const std::string& rng_pt, int rank) { load_rng(rng_pt, rank); }
+
+}  // namespace detail
 
 }  // namespace chorus::train

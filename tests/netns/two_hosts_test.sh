@@ -39,26 +39,17 @@ fail() {
   exit 1
 }
 
-[[ $(id -u) -eq 0 ]] || skip "needs root to make network namespaces (ip netns); running as uid $(id -u)"
-command -v ip >/dev/null || skip "ip (iproute2) is not installed"
+# The namespaces, the veth and the hostnames: scripts/two_hosts.sh (bench/scaling uses it too).
+# shellcheck source-path=SCRIPTDIR source=../../scripts/two_hosts.sh
+source "$(dirname "$(realpath "$0")")/../../scripts/two_hosts.sh"
+two_hosts_check || skip "$TWO_HOSTS_WHY"
 command -v ss >/dev/null || skip "ss (iproute2) is not installed"
-unshare --uts --ipc true 2>/dev/null || skip "cannot make UTS and IPC namespaces (unshare --uts --ipc)"
 [[ -x $CHORUS ]] || fail "no executable chorus at $CHORUS"
 [[ -x $FASHION_MNIST ]] || fail "no executable fashion_mnist_ddp at $FASHION_MNIST"
 
-# Unique per run: names carry our pid, the subnet a random octet.
-NS_A=chorus_a_$$
-NS_B=chorus_b_$$
-VETH_A=chva$$  # interface names: at most 15 characters
-VETH_B=chvb$$
-OCTET=$((RANDOM % 254 + 1))
-ADDR_A=10.77.$OCTET.1
-ADDR_B=10.77.$OCTET.2
 PORT=$((29000 + RANDOM % 1000))  # fresh namespaces: nothing else listens there
 WORK=$(mktemp -d /tmp/chorus-netns-XXXXXX)
 PIDS=()
-MADE_A=0
-MADE_B=0
 
 cleanup() {
   local rc=$?
@@ -67,18 +58,10 @@ cleanup() {
     kill -TERM "$pid" 2>/dev/null  # timeout forwards it to chorus run, which forwards it to its worker
   done
   sleep 0.2
-  # Whatever still runs inside our namespaces was started by this script.
-  for ns in "$NS_A" "$NS_B"; do
-    if ip netns list 2>/dev/null | grep -qw "$ns"; then
-      ip netns pids "$ns" 2>/dev/null | xargs -r kill -KILL 2>/dev/null
-    fi
-  done
+  two_hosts_down  # SIGKILLs whatever still runs inside our namespaces: this script started it
   for pid in "${PIDS[@]}"; do
     wait "$pid" 2>/dev/null
   done
-  ip link del "$VETH_A" 2>/dev/null  # only there if moving it into a namespace failed
-  [[ $MADE_A -eq 1 ]] && ip netns del "$NS_A"
-  [[ $MADE_B -eq 1 ]] && ip netns del "$NS_B"
   rm -rf "$WORK"
   exit "$rc"
 }
@@ -86,20 +69,7 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM HUP
 
-ip netns add "$NS_A" 2>"$WORK/err" || skip "cannot make a network namespace: $(cat "$WORK/err")"
-MADE_A=1
-ip netns add "$NS_B" 2>"$WORK/err" || skip "cannot make a second network namespace: $(cat "$WORK/err")"
-MADE_B=1
-ip link add "$VETH_A" type veth peer name "$VETH_B" 2>"$WORK/err" || skip "cannot make a veth pair: $(cat "$WORK/err")"
-ip link set "$VETH_A" netns "$NS_A"
-ip link set "$VETH_B" netns "$NS_B"
-ip -n "$NS_A" addr add "$ADDR_A/24" dev "$VETH_A"
-ip -n "$NS_B" addr add "$ADDR_B/24" dev "$VETH_B"
-for ns in "$NS_A" "$NS_B"; do
-  ip -n "$ns" link set lo up
-done
-ip -n "$NS_A" link set "$VETH_A" up
-ip -n "$NS_B" link set "$VETH_B" up
+two_hosts_up || skip "$TWO_HOSTS_WHY"
 echo "hosts: $NS_A ($ADDR_A, node 0, store at $ADDR_A:$PORT) and $NS_B ($ADDR_B, node 1)"
 
 veth_bytes() {  # veth_bytes tx|rx: bytes through A's end of the veth
@@ -109,9 +79,7 @@ TX0=$(veth_bytes tx)
 RX0=$(veth_bytes rx)
 
 launch() {  # launch NS NODE_RANK NAME: its own hostname and IPC namespace too, as on another machine
-  # shellcheck disable=SC2016 # the inner bash expands $0 and $@
-  (cd "$WORK" && exec ip netns exec "$1" unshare --uts --ipc /bin/bash -c 'hostname "${0//_/-}" && exec "$@"' "$1" \
-    timeout "$TIMEOUT_S" "$CHORUS" run --nnodes 2 --node-rank "$2" \
+  (cd "$WORK" && two_hosts_exec "$1" timeout "$TIMEOUT_S" "$CHORUS" run --nnodes 2 --node-rank "$2" \
     --rdzv-endpoint "$ADDR_A:$PORT" --nproc-per-node "$NPROC" --token-file "$WORK/token" \
     "$FASHION_MNIST" --max-steps "$STEPS" --eval-limit 200 --no-checkpoint --metrics-json "$WORK/$3.json") \
     >"$WORK/$3.log" 2>&1 &

@@ -149,7 +149,9 @@ class ProcessGroup {
   std::unique_ptr<Impl> impl_;
 };
 
-// Rendezvous (see rendezvous.h) + ProcessGroup: the usual way to start.
+// Rendezvous (see rendezvous.h) + ProcessGroup: the usual way to start. What rendezvous read from
+// the environment applies here: CHORUS_ERROR_FILE (uncaught exceptions recorded for chorus run),
+// CHORUS_STORE_PREFIX (the attempt's keys) and CHORUS_TRANSPORT (when options.transport is "auto").
 std::shared_ptr<ProcessGroup> connect_process_group(const std::string& init_method = "env://",
                                                     int rank = -1, int world_size = -1,
                                                     ProcessGroupOptions options = {});

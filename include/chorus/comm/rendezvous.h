@@ -50,6 +50,11 @@ struct Rendezvous {
   // The address of this host as seen on the store connection (for publishing listen addresses);
   // "" for stores without a network connection.
   std::string local_address;
+  // What a launcher or the user asked of the layers above through the environment; rendezvous is
+  // where the library reads CHORUS_* variables, and these pass them on as options.
+  std::string error_file;    // CHORUS_ERROR_FILE: where this rank records an uncaught exception
+  std::string store_prefix;  // CHORUS_STORE_PREFIX: this attempt's key space in a shared store
+  std::string transport;     // CHORUS_TRANSPORT: "tcp", "shm", "hybrid" or "auto" ("": not set)
 };
 
 // Throws UsageError for a malformed URL, missing variables or a missing job token (naming them and
@@ -62,5 +67,22 @@ Rendezvous rendezvous(const std::string& url, int rank = -1, int world_size = -1
 // The secret in a job token file (trailing whitespace dropped). Throws UsageError naming the file and
 // the fix when it is missing, empty, not this user's, or readable by group or others.
 std::string read_token_file(const std::string& path);
+
+// How many times a launcher has restarted this job: the largest of CHORUS_RESTART_COUNT (chorus
+// run), TORCHELASTIC_RESTART_COUNT (torchrun) and SLURM_RESTART_COUNT (Slurm requeue); 0 when none
+// is set. Reads the environment.
+int restart_count();
+
+// Whether a launcher started this process as one rank of a job of several: chorus run or torchrun
+// (RANK set), mpirun with more than one process (OMPI_COMM_WORLD_RANK), or an srun step of more
+// than one task (SLURM_PROCID). An sbatch script (no step id), a one-task mpirun or srun step and
+// a plain process are not. When true and `rank` is given, *rank is the rank as the launcher wrote
+// it (for messages; init_process_group checks it). Reads the environment.
+bool launched_job(std::string* rank = nullptr);
+
+// Splits "HOST:PORT" or "[IPV6]:PORT" (the port a decimal integer in [1, 65535]) into *host and
+// *port. Returns "" on success; otherwise what is wrong ("no port", "no host", ...), for the
+// caller's error message, and leaves *host and *port untouched. Pure: no name lookup.
+std::string split_host_port(const std::string& text, std::string* host, int* port);
 
 }  // namespace chorus

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "chorus/comm/error.h"
+#include "chorus/comm/random.h"  // random_token, declared here before it had a header of its own
 
 namespace chorus {
 
@@ -48,7 +49,5 @@ class SpawnError : public Error {
 void spawn(int nprocs, const std::function<void(int rank, int world_size)>& fn,
            const SpawnOptions& options = {});
 
-// A fresh random token (hex) for job handshakes.
-std::string random_token();
 
 }  // namespace chorus
