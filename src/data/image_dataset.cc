@@ -60,12 +60,14 @@ at::Tensor ImageDataset::target(size_t index) const {
   return at::scalar_tensor(s.label, at::TensorOptions().dtype(at::kLong));
 }
 
-torch::data::Example<> ImageDataset::get(size_t index, int64_t epoch) const {
+const DecodeFn& ImageDataset::decode_function() const { return state_->decode; }
+
+void ImageDataset::read_item(size_t index, int64_t epoch,
+                             const std::function<void(const std::vector<uint8_t>&, const ItemInfo&)>& use) const {
   const auto& s = sample(index);
-  at::Tensor data;
   try {
     const std::vector<uint8_t> bytes = state_->source->read(s.key);
-    data = state_->decode(bytes, ItemInfo{static_cast<int64_t>(index), epoch, s.key});
+    use(bytes, ItemInfo{static_cast<int64_t>(index), epoch, s.key});
   } catch (const SourceError&) {
     throw;  // the storage's failure, not this item's: kept apart for the loader (skip_bad)
   } catch (const std::exception& e) {
@@ -74,7 +76,16 @@ torch::data::Example<> ImageDataset::get(size_t index, int64_t epoch) const {
     const std::string what = e.what();
     throw DataError(what.compare(0, where.size(), where) == 0 ? what : where + ": " + what);
   }
-  if (!data.defined()) throw DataError(state_->source->describe(s.key) + ": the decode function returned no tensor");
+}
+
+torch::data::Example<> ImageDataset::get(size_t index, int64_t epoch) const {
+  at::Tensor data;
+  read_item(index, epoch, [&](const std::vector<uint8_t>& bytes, const ItemInfo& item) {
+    data = state_->decode(bytes, item);
+  });
+  if (!data.defined()) {
+    throw DataError(state_->source->describe(sample(index).key) + ": the decode function returned no tensor");
+  }
   return {std::move(data), target(index)};
 }
 

@@ -117,5 +117,75 @@ TEST(ImageDecoder, CorruptFilesNameThemselvesOrAreCounted) {
   }
 }
 
+// image_decoder's items go straight into the batch tensor, and the loader writes again into a
+// batch tensor the loop has released: batches the loop still holds (or views of them) keep their
+// values through later epochs, and every batch equals decoding its items one by one.
+TEST(ImageDecoder, BatchTensorsAreReusedOnlyOnceReleased) {
+  testing::TempDir dir;
+  for (int i = 0; i < 12; ++i) {
+    put(dir.path + "/a/" + std::to_string(i) + ".png", encode_png(random_image(10, 12, 300 + i)));
+  }
+  auto source = std::make_shared<LocalByteSource>(dir.path);
+  ImageDataset dataset = make_image_folder(source, image_decoder(pipeline(), ImageMode::kRGB, 3));
+  LoaderOptions o;
+  o.batch_size = 4;
+  o.threads = 2;
+  o.prefetch_batches = 1;
+  ParallelLoader loader(dataset, torch::data::samplers::SequentialSampler(dataset.size()), o);
+  std::vector<std::pair<at::Tensor, at::Tensor>> held;  // (a batch or a view the loop keeps, its values)
+  int64_t batches = 0;
+  for (int64_t epoch = 0; epoch < 6; ++epoch) {
+    int64_t index = 0;
+    for (auto& batch : loader) {
+      for (int64_t j = 0; j < batch.data.size(0); ++j, ++index) {
+        const auto bytes = source->read(dataset.sample(static_cast<size_t>(index)).key);
+        const Image image = decode_image(bytes.data(), bytes.size(), ImageMode::kRGB, "x");
+        EXPECT_TRUE(at::equal(batch.data[j], apply_to_tensor(pipeline(), image, 3, static_cast<uint64_t>(epoch),
+                                                             static_cast<uint64_t>(index))))
+            << "epoch " << epoch << " item " << index;
+      }
+      if (batches == 1) held.emplace_back(batch.data, batch.data.clone());
+      if (batches == 4) held.emplace_back(batch.data[2], batch.data[2].clone());  // a view keeps it too
+      ++batches;
+    }
+    EXPECT_EQ(index, 12);
+  }
+  ASSERT_EQ(held.size(), 2u);
+  for (const auto& [tensor, values] : held) EXPECT_TRUE(at::equal(tensor, values));
+}
+
+// Through image_decoder, items of different shapes fail their batch as they do when stacked,
+// skip_bad or not; batches of one shape go on.
+TEST(ImageDecoder, ItemsOfDifferentShapesFailTheirBatch) {
+  testing::TempDir dir;
+  for (int i = 0; i < 4; ++i) put(dir.path + "/a/" + std::to_string(i) + ".png", encode_png(random_image(10, 12, i)));
+  put(dir.path + "/a/4.png", encode_png(random_image(8, 8, 4)));
+  put(dir.path + "/a/5.png", encode_png(random_image(8, 8, 5)));
+  auto source = std::make_shared<LocalByteSource>(dir.path);
+  const auto plain = ImagePipeline().normalise({0.5f}, {0.25f});  // no crop: the files' sizes
+  for (bool skip : {false, true}) {
+    ImageDataset dataset = make_image_folder(source, image_decoder(plain));
+    LoaderOptions o;
+    o.batch_size = 2;
+    o.threads = 2;
+    o.skip_bad = skip;
+    // Batches {0, 1}, {2, 4} (two shapes) and {5}.
+    std::vector<size_t> order{0, 1, 2, 4, 5};
+    ParallelLoader loader(dataset.subset(order), torch::data::samplers::SequentialSampler(order.size()), o);
+    auto it = loader.begin();
+    ASSERT_TRUE(it != loader.end());
+    EXPECT_EQ(it->data.sizes(), (std::vector<int64_t>{2, 3, 10, 12}));
+    try {
+      ++it;
+      FAIL() << "a batch of two shapes was stacked";
+    } catch (const DataError& e) {
+      EXPECT_NE(std::string(e.what()).find("different shapes"), std::string::npos) << e.what();
+    }
+    ++it;
+    ASSERT_TRUE(it != loader.end());
+    EXPECT_EQ(it->data.sizes(), (std::vector<int64_t>{1, 3, 8, 8}));
+  }
+}
+
 }  // namespace
 }  // namespace chorus::data

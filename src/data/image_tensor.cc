@@ -4,6 +4,9 @@
 #include <ATen/ATen.h>
 
 #include <cstring>
+#include <string>
+
+#include "chorus/comm/error.h"
 
 namespace chorus::data {
 
@@ -21,11 +24,32 @@ at::Tensor apply_to_tensor(const ImagePipeline& pipeline, const Image& image, ui
   return t;
 }
 
+at::Tensor ImageDecoder::operator()(const std::vector<uint8_t>& bytes, const ItemInfo& item) const {
+  const Image image = decode_image(bytes.data(), bytes.size(), mode_, item.key);
+  return apply_to_tensor(pipeline_, image, seed_, static_cast<uint64_t>(item.epoch), static_cast<uint64_t>(item.index));
+}
+
+std::array<int64_t, 3> ImageDecoder::decode_into(const std::vector<uint8_t>& bytes, const ItemInfo& item,
+                                                 const Destination& into) const {
+  const Image image = decode_image(bytes.data(), bytes.size(), mode_, item.key);
+  const auto shape = pipeline_.output_shape(image.height, image.width, image.channels);
+  // to_chw_float's check, before any memory is asked for.
+  const auto& mean = pipeline_.normalise_mean();
+  const auto& stddev = pipeline_.normalise_std();
+  if (mean.size() != stddev.size() || (mean.size() > 1 && static_cast<int64_t>(mean.size()) != shape[0])) {
+    throw UsageError("normalise: " + std::to_string(mean.size()) + " mean and " + std::to_string(stddev.size()) +
+                     " std values for an image of " + std::to_string(shape[0]) +
+                     " channels; give one, or one per channel");
+  }
+  float* out = into(shape);
+  if (out != nullptr) {
+    pipeline_.apply_into(image, seed_, static_cast<uint64_t>(item.epoch), static_cast<uint64_t>(item.index), out);
+  }
+  return shape;
+}
+
 DecodeFn image_decoder(ImagePipeline pipeline, ImageMode mode, uint64_t seed) {
-  return [pipeline = std::move(pipeline), mode, seed](const std::vector<uint8_t>& bytes, const ItemInfo& item) {
-    const Image image = decode_image(bytes.data(), bytes.size(), mode, item.key);
-    return apply_to_tensor(pipeline, image, seed, static_cast<uint64_t>(item.epoch), static_cast<uint64_t>(item.index));
-  };
+  return ImageDecoder(std::move(pipeline), mode, seed);
 }
 
 }  // namespace chorus::data

@@ -293,5 +293,42 @@ TEST(ImagePipeline, OutputShapeAndTensor) {
   EXPECT_THROW(ImagePipeline().random_crop(40, 40).apply_uint8(img, 0, 0, 0), UsageError);
 }
 
+// apply_into keeps its step images from one call to the next on a thread: items of other sizes,
+// channels and crops in any order give what apply_uint8 and to_chw_float give.
+TEST(ImagePipeline, ApplyIntoEqualsApplyUint8WhateverCameBefore) {
+  RandomCropOptions padded;
+  padded.padding = {3, 1, 2, 4};
+  padded.fill = 7;
+  RandomCropOptions needed;
+  needed.pad_if_needed = true;
+  needed.fill = 200;
+  const std::vector<ImagePipeline> pipelines = {
+      ImagePipeline().resize(24).center_crop(20).random_horizontal_flip().normalise({0.4f}, {0.3f}),
+      ImagePipeline().random_crop(16, 16, padded).random_horizontal_flip().normalise({0.4f}, {0.3f}),
+      ImagePipeline().random_crop(40, 36, needed).random_horizontal_flip(1.0).normalise({0.4f}, {0.3f}),
+      ImagePipeline().center_crop(50, 10).normalise({0.4f}, {0.3f}),
+      ImagePipeline().random_horizontal_flip(1.0).normalise({0.4f}, {0.3f}),
+      ImagePipeline().normalise({0.4f}, {0.3f}),
+  };
+  const std::vector<Image> images = {random_image(30, 45, 3, 1), random_image(17, 19, 1, 2),
+                                     random_image(64, 48, 3, 3), random_image(20, 20, 3, 4)};
+  int cases = 0;
+  for (int round = 0; round < 2; ++round) {
+    for (size_t k = 0; k < pipelines.size(); ++k) {
+      for (size_t i = 0; i < images.size(); ++i) {
+        const auto& p = pipelines[(k + static_cast<size_t>(round)) % pipelines.size()];
+        const Image& img = images[(i + k) % images.size()];
+        const Image u8 = p.apply_uint8(img, 5, 1, i);
+        std::vector<float> expected(u8.pixels.size()), got(u8.pixels.size());
+        to_chw_float(u8, p.normalise_mean(), p.normalise_std(), expected.data());
+        EXPECT_EQ(p.apply_into(img, 5, 1, i, got.data()), (std::array<int64_t, 3>{u8.channels, u8.height, u8.width}));
+        EXPECT_EQ(got, expected) << "pipeline " << k << ", image " << i;
+        ++cases;
+      }
+    }
+  }
+  EXPECT_EQ(cases, 48);
+}
+
 }  // namespace
 }  // namespace chorus::data

@@ -6,6 +6,7 @@
 #include "chorus/data/image_transforms.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -71,9 +72,19 @@ uint8_t clip8(int32_t in) {
   return static_cast<uint8_t>(in >> kPrecisionBits);
 }
 
+// Gives `img` this shape and height * width * channels bytes, keeping its memory when it has
+// enough; the bytes are stale: callers write every one.
+void reshape(Image& img, int64_t height, int64_t width, int64_t channels) {
+  img.height = height;
+  img.width = width;
+  img.channels = channels;
+  img.pixels.resize(static_cast<size_t>(height * width * channels));
+}
+
 // Rows [y0, y0 + rows) of `in` resampled along x to out (rows x out_width).
-Image resample_horizontal(const Image& in, int64_t y0, int64_t rows, int64_t out_width, const Coefficients& k) {
-  Image out(rows, out_width, in.channels);
+void resample_horizontal(const Image& in, int64_t y0, int64_t rows, int64_t out_width, const Coefficients& k,
+                         Image& out) {
+  reshape(out, rows, out_width, in.channels);
   const int64_t c = in.channels;
   for (int64_t y = 0; y < rows; ++y) {
     const uint8_t* src = in.row(y0 + y);
@@ -89,12 +100,11 @@ Image resample_horizontal(const Image& in, int64_t y0, int64_t rows, int64_t out
       }
     }
   }
-  return out;
 }
 
 // `in` resampled along y to out_height rows; bounds are relative to in's first row minus y_shift.
-Image resample_vertical(const Image& in, int64_t out_height, const Coefficients& k, int y_shift) {
-  Image out(out_height, in.width, in.channels);
+void resample_vertical(const Image& in, int64_t out_height, const Coefficients& k, int y_shift, Image& out) {
+  reshape(out, out_height, in.width, in.channels);
   const int64_t row_len = in.width * in.channels;
   for (int64_t yy = 0; yy < out_height; ++yy) {
     const int ymin = k.bounds[static_cast<size_t>(yy) * 2] - y_shift;
@@ -107,7 +117,6 @@ Image resample_vertical(const Image& in, int64_t out_height, const Coefficients&
       dst[i] = clip8(ss);
     }
   }
-  return out;
 }
 
 void check_image(const Image& image, const char* op) {
@@ -145,27 +154,35 @@ std::pair<int64_t, int64_t> resize_shorter_size(int64_t height, int64_t width, i
   return width <= height ? std::make_pair(other, size) : std::make_pair(size, other);
 }
 
-Image resize(const Image& image, int64_t height, int64_t width) {
+namespace {
+
+// resize() into `out`, with `tmp` for the horizontal pass's rows (both may hold memory from before).
+void resize_into(const Image& image, int64_t height, int64_t width, Image& out, Image& tmp) {
   check_image(image, "resize");
   check_size(height, width, "resize");
   const bool horizontal = width != image.width;
   const bool vertical = height != image.height;
-  if (!horizontal && !vertical) return image;
+  if (!horizontal && !vertical) {
+    out = image;
+    return;
+  }
   const Coefficients kx = precompute_coefficients(static_cast<int>(image.width), static_cast<int>(width));
   const Coefficients ky = precompute_coefficients(static_cast<int>(image.height), static_cast<int>(height));
   // Only the rows the vertical pass reads go through the horizontal one, as in Pillow.
   const int y_first = ky.bounds[0];
   const int y_last = ky.bounds[static_cast<size_t>(height) * 2 - 2] + ky.bounds[static_cast<size_t>(height) * 2 - 1];
-  if (!horizontal) return resample_vertical(image, height, ky, 0);
-  Image tmp = resample_horizontal(image, y_first, y_last - y_first, width, kx);
-  if (!vertical) return tmp;
-  return resample_vertical(tmp, height, ky, y_first);
+  if (!horizontal) return resample_vertical(image, height, ky, 0, out);
+  if (!vertical) return resample_horizontal(image, y_first, y_last - y_first, width, kx, out);
+  resample_horizontal(image, y_first, y_last - y_first, width, kx, tmp);
+  resample_vertical(tmp, height, ky, y_first, out);
 }
 
-Image crop(const Image& image, int64_t top, int64_t left, int64_t height, int64_t width) {
-  check_image(image, "crop");
+// crop() into `out`, with `fill` outside the image.
+void crop_into(const Image& image, int64_t top, int64_t left, int64_t height, int64_t width, uint8_t fill, Image& out) {
   check_size(height, width, "crop");
-  Image out(height, width, image.channels);  // zeros
+  reshape(out, height, width, image.channels);
+  const bool inside = top >= 0 && left >= 0 && top + height <= image.height && left + width <= image.width;
+  if (!inside) std::fill(out.pixels.begin(), out.pixels.end(), fill);
   const int64_t c = image.channels;
   const int64_t x0 = std::max<int64_t>(0, -left);
   const int64_t x1 = std::min(width, image.width - left);
@@ -173,6 +190,62 @@ Image crop(const Image& image, int64_t top, int64_t left, int64_t height, int64_
     if (x1 <= x0) break;
     std::memcpy(out.row(y) + x0 * c, image.row(top + y) + (left + x0) * c, static_cast<size_t>((x1 - x0) * c));
   }
+}
+
+// center_crop's offsets when the image is at least height x width.
+std::pair<int64_t, int64_t> center_offsets(const Image& image, int64_t height, int64_t width) {
+  // Python's round(): half to even, which nearbyint does in the default rounding mode.
+  return {static_cast<int64_t>(std::nearbyint((image.height - height) / 2.0)),
+          static_cast<int64_t>(std::nearbyint((image.width - width) / 2.0))};
+}
+
+void hflip_in_place(Image& image) {
+  const int64_t c = image.channels;
+  for (int64_t y = 0; y < image.height; ++y) {
+    uint8_t* row = image.row(y);
+    for (int64_t x = 0; x < image.width / 2; ++x) {
+      std::swap_ranges(row + x * c, row + (x + 1) * c, row + (image.width - 1 - x) * c);
+    }
+  }
+}
+
+// The padding RandomCrop puts around an image of image_height x image_width (left, top, right,
+// bottom): `padding`, then with pad_if_needed a short side's whole shortfall on both sides.
+// UsageError when the crop is still larger.
+std::array<int64_t, 4> random_crop_padding(int64_t image_height, int64_t image_width, int64_t height, int64_t width,
+                                           const RandomCropOptions& o) {
+  auto [left, top, right, bottom] = o.padding;
+  // torchvision pads a short dimension by the whole shortfall on both sides.
+  if (o.pad_if_needed && image_width + left + right < width) {
+    const int64_t d = width - (image_width + left + right);
+    left += d;
+    right += d;
+  }
+  if (o.pad_if_needed && image_height + top + bottom < height) {
+    const int64_t d = height - (image_height + top + bottom);
+    top += d;
+    bottom += d;
+  }
+  if (image_height + top + bottom < height || image_width + left + right < width) {
+    throw UsageError("random_crop: crop " + std::to_string(height) + "x" + std::to_string(width) +
+                     " is larger than the (padded) image " + std::to_string(image_height + top + bottom) + "x" +
+                     std::to_string(image_width + left + right) + "; resize first, or set pad_if_needed");
+  }
+  return {left, top, right, bottom};
+}
+
+}  // namespace
+
+Image resize(const Image& image, int64_t height, int64_t width) {
+  Image out, tmp;
+  resize_into(image, height, width, out, tmp);
+  return out;
+}
+
+Image crop(const Image& image, int64_t top, int64_t left, int64_t height, int64_t width) {
+  check_image(image, "crop");
+  Image out;
+  crop_into(image, top, left, height, width, 0, out);
   return out;
 }
 
@@ -196,9 +269,7 @@ Image center_crop(const Image& image, int64_t height, int64_t width) {
     if (padded.width == width && padded.height == height) return padded;
     return center_crop(padded, height, width);
   }
-  // Python's round(): half to even, which nearbyint does in the default rounding mode.
-  const auto top = static_cast<int64_t>(std::nearbyint((image.height - height) / 2.0));
-  const auto left = static_cast<int64_t>(std::nearbyint((image.width - width) / 2.0));
+  const auto [top, left] = center_offsets(image, height, width);
   return crop(image, top, left, height, width);
 }
 
@@ -242,17 +313,9 @@ int64_t ItemRng::uniform_int(int64_t n) {
 double ItemRng::uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }
 
 Image random_crop_pad(const Image& image, int64_t height, int64_t width, const RandomCropOptions& o) {
-  const auto& p = o.padding;
-  Image img = (p[0] | p[1] | p[2] | p[3]) != 0 ? pad(image, p[0], p[1], p[2], p[3], o.fill) : image;
-  // torchvision pads a short dimension by the whole shortfall on both sides.
-  if (o.pad_if_needed && img.width < width) img = pad(img, width - img.width, 0, width - img.width, 0, o.fill);
-  if (o.pad_if_needed && img.height < height) img = pad(img, 0, height - img.height, 0, height - img.height, o.fill);
-  if (img.height < height || img.width < width) {
-    throw UsageError("random_crop: crop " + std::to_string(height) + "x" + std::to_string(width) +
-                     " is larger than the (padded) image " + std::to_string(img.height) + "x" +
-                     std::to_string(img.width) + "; resize first, or set pad_if_needed");
-  }
-  return img;
+  const auto p = random_crop_padding(image.height, image.width, height, width, o);
+  if ((p[0] | p[1] | p[2] | p[3]) == 0) return image;
+  return pad(image, p[0], p[1], p[2], p[3], o.fill);
 }
 
 std::pair<int64_t, int64_t> random_crop_offsets(ItemRng& rng, int64_t image_height, int64_t image_width,
@@ -324,36 +387,64 @@ ImagePipeline& ImagePipeline::normalise(std::vector<float> mean, std::vector<flo
   return *this;
 }
 
-Image ImagePipeline::apply_uint8(const Image& image, uint64_t seed, uint64_t epoch, uint64_t index) const {
+const Image* ImagePipeline::run_steps(const Image& image, uint64_t seed, uint64_t epoch, uint64_t index,
+                                     std::array<Image, 3>& scratch) const {
   check_image(image, "ImagePipeline::apply");
-  Image img = image;
+  const Image* cur = &image;
   uint64_t stream = 0;
   for (const Step& s : *steps_) {
     ItemRng rng(seed, epoch, index, stream++);
+    Image& out = cur == &scratch[0] ? scratch[1] : scratch[0];  // the step's output, never its input
     switch (s.kind) {
       case Step::Kind::kResizeShorter: {
-        const auto [h, w] = resize_shorter_size(img.height, img.width, s.height);
-        img = data::resize(img, h, w);
+        const auto [h, w] = resize_shorter_size(cur->height, cur->width, s.height);
+        resize_into(*cur, h, w, out, scratch[2]);
+        cur = &out;
         break;
       }
       case Step::Kind::kResize:
-        img = data::resize(img, s.height, s.width);
+        resize_into(*cur, s.height, s.width, out, scratch[2]);
+        cur = &out;
         break;
       case Step::Kind::kCenterCrop:
-        img = data::center_crop(img, s.height, s.width);
+        if (s.width > cur->width || s.height > cur->height) {
+          out = data::center_crop(*cur, s.height, s.width);  // padded first; rare
+        } else {
+          const auto [top, left] = center_offsets(*cur, s.height, s.width);
+          crop_into(*cur, top, left, s.height, s.width, 0, out);
+        }
+        cur = &out;
         break;
       case Step::Kind::kRandomCrop: {
-        img = random_crop_pad(img, s.height, s.width, s.crop);
-        const auto [top, left] = random_crop_offsets(rng, img.height, img.width, s.height, s.width);
-        if (img.height != s.height || img.width != s.width) img = data::crop(img, top, left, s.height, s.width);
+        // The crop of the padded image, taken from the image itself with the fill outside it.
+        const auto p = random_crop_padding(cur->height, cur->width, s.height, s.width, s.crop);
+        const int64_t padded_height = cur->height + p[1] + p[3];
+        const int64_t padded_width = cur->width + p[0] + p[2];
+        const auto [top, left] = random_crop_offsets(rng, padded_height, padded_width, s.height, s.width);
+        if ((p[0] | p[1] | p[2] | p[3]) != 0 || cur->height != s.height || cur->width != s.width) {
+          crop_into(*cur, top - p[1], left - p[0], s.height, s.width, s.crop.fill, out);
+          cur = &out;
+        }
         break;
       }
       case Step::Kind::kRandomFlip:
-        if (random_flip_draw(rng, s.p)) img = hflip(img);
+        if (random_flip_draw(rng, s.p)) {
+          if (cur == &image) {
+            out = image;
+            cur = &out;
+          }
+          hflip_in_place(const_cast<Image&>(*cur));  // one of the scratch images
+        }
         break;
     }
   }
-  return img;
+  return cur;
+}
+
+Image ImagePipeline::apply_uint8(const Image& image, uint64_t seed, uint64_t epoch, uint64_t index) const {
+  std::array<Image, 3> scratch;
+  const Image* out = run_steps(image, seed, epoch, index, scratch);
+  return out == &image ? image : std::move(const_cast<Image&>(*out));
 }
 
 std::array<int64_t, 3> ImagePipeline::output_shape(int64_t height, int64_t width, int64_t channels) const {
@@ -377,9 +468,19 @@ std::array<int64_t, 3> ImagePipeline::output_shape(int64_t height, int64_t width
 
 std::array<int64_t, 3> ImagePipeline::apply_into(const Image& image, uint64_t seed, uint64_t epoch, uint64_t index,
                                                  float* out) const {
-  const Image img = apply_uint8(image, seed, epoch, index);
-  to_chw_float(img, mean_std_->first, mean_std_->second, out);
-  return {img.channels, img.height, img.width};
+  // The steps' images live in buffers of this thread, kept from one item to the next: allocating
+  // and freeing some 200 KB per step made glibc hand the pages back to the kernel and fault them in
+  // again, a third of a decode thread's time at 224 px. A buffer grown beyond kKeptBytes (a large
+  // photo) is released after the item.
+  constexpr size_t kKeptBytes = size_t{16} << 20;
+  thread_local std::array<Image, 3> scratch;
+  const Image* img = run_steps(image, seed, epoch, index, scratch);
+  to_chw_float(*img, mean_std_->first, mean_std_->second, out);
+  const std::array<int64_t, 3> shape{img->channels, img->height, img->width};
+  for (Image& s : scratch) {
+    if (s.pixels.capacity() > kKeptBytes) s = Image();
+  }
+  return shape;
 }
 
 void to_chw_float(const Image& image, const std::vector<float>& mean, const std::vector<float>& stddev, float* out) {
@@ -393,10 +494,14 @@ void to_chw_float(const Image& image, const std::vector<float>& mean, const std:
   for (size_t ch = 0; ch < c; ++ch) {
     const float m = mean.empty() ? 0.0f : mean[mean.size() == 1 ? 0 : ch];
     const float s = stddev.empty() ? 1.0f : stddev[stddev.size() == 1 ? 0 : ch];
+    // The same float operations as ToTensor's div(255) and Normalize's sub_(mean).div_(std), done
+    // once per pixel value: a uint8 channel takes 256 values, so a table gives every pixel the very
+    // same float without two divisions each.
+    std::array<float, 256> table;
+    for (size_t v = 0; v < table.size(); ++v) table[v] = (static_cast<float>(v) / 255.0f - m) / s;
     const uint8_t* src = image.pixels.data() + ch;
     float* dst = out + ch * plane;
-    // The same float operations as ToTensor's div(255) and Normalize's sub_(mean).div_(std).
-    for (size_t i = 0; i < plane; ++i) dst[i] = (static_cast<float>(src[i * c]) / 255.0f - m) / s;
+    for (size_t i = 0; i < plane; ++i) dst[i] = table[src[i * c]];
   }
 }
 

@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <deque>
@@ -11,15 +12,21 @@
 #include <sstream>
 #include <thread>
 
+#include "chorus/data/image_tensor.h"
+
 namespace chorus::data::detail {
 
-// One submitted batch. Its items are written by the decode threads under Shared::mutex.
+// One submitted batch. Its items are written by the decode threads under Shared::mutex, except the
+// floats of items decoded into `buffer` (each thread its own item's slice, before `pending` drops).
 struct LoaderEngine::Batch {
   int64_t pass = 0;
   int64_t epoch = 0;
   int64_t number = 0;  // position in the pass
   std::vector<size_t> indices;
-  std::vector<at::Tensor> data;     // per item, once decoded
+  std::vector<at::Tensor> data;     // per item, once decoded (unless written into `buffer`)
+  at::Tensor buffer;                // [items, C, H, W]: items decoded straight into it (ImageDecoder)
+  std::array<int64_t, 3> item_shape{};  // buffer's item shape: the first decoded item's
+  std::vector<char> in_buffer;      // per item: its data is buffer[item], not data[item]
   std::vector<std::string> errors;  // per item: "" or the failure
   std::vector<char> source_failed;  // per item: the failure was the storage's (SourceError), never skipped
   size_t pending = 0;               // items not yet decoded
@@ -33,9 +40,39 @@ struct LoaderEngine::Batch {
 };
 
 struct LoaderEngine::Shared {
-  explicit Shared(ImageDataset d, const LoaderOptions& o) : dataset(std::move(d)), options(o) {}
+  explicit Shared(ImageDataset d, const LoaderOptions& o)
+      : dataset(std::move(d)), options(o), direct(dataset.decode_function().target<ImageDecoder>()) {}
   ImageDataset dataset;
   LoaderOptions options;
+  // image_decoder's function, when it is the dataset's: items are then decoded into their batch's
+  // tensor. Points into the dataset's immutable state, which `dataset` keeps alive.
+  const ImageDecoder* direct;
+  // The batch tensors of the latest batches decoded into (at most kept_batches()). Fresh memory
+  // costs a page fault per 4 KiB page when first written (a batch of 64 RGB images of 224 px is
+  // 38 MB: on a virtual machine, faulting it in took about as long as decoding it), so a tensor
+  // the loop has let go of, to which this list holds the only reference, is written again.
+  std::deque<at::Tensor> recent;
+  size_t kept_batches() const { return options.prefetch_batches + 3; }
+
+  // A float tensor of `sizes` for a batch decoded into: a released one of `recent`, or a new one.
+  // Called under `mutex`.
+  at::Tensor batch_tensor(at::IntArrayRef sizes) {
+    for (auto it = recent.begin(); it != recent.end(); ++it) {
+      // Only this list refers to it (no tensor, view or autograd graph elsewhere): nobody can see it
+      // being overwritten.
+      if (it->use_count() == 1 && it->storage().use_count() == 1 && it->sizes() == sizes && !it->requires_grad() &&
+          !it->grad().defined()) {
+        at::Tensor t = std::move(*it);
+        recent.erase(it);
+        recent.push_back(t);
+        return t;
+      }
+    }
+    at::Tensor t = at::empty(sizes, at::kFloat);
+    recent.push_back(t);
+    while (recent.size() > kept_batches()) recent.pop_front();
+    return t;
+  }
   std::mutex mutex;
   std::condition_variable work_ready;  // decode threads wait here for items
   std::condition_variable batch_done;  // the consumer waits here for the oldest batch
@@ -59,6 +96,20 @@ std::string shape_of(const at::Tensor& t) {
   std::ostringstream s;
   s << t.sizes();
   return s.str();
+}
+
+// The targets of these items, stacked: [n] int64 class indices, or [n, classes] float.
+at::Tensor stack_targets(const ImageDataset& dataset, const std::vector<size_t>& indices) {
+  if (!dataset.multi_label()) {
+    std::vector<int64_t> labels;
+    labels.reserve(indices.size());
+    for (size_t i : indices) labels.push_back(dataset.sample(i).label);
+    return at::tensor(labels, at::TensorOptions().dtype(at::kLong));
+  }
+  std::vector<at::Tensor> ys;
+  ys.reserve(indices.size());
+  for (size_t i : indices) ys.push_back(dataset.target(i));
+  return at::stack(ys);
 }
 
 }  // namespace
@@ -114,6 +165,7 @@ void LoaderEngine::submit(std::vector<size_t> indices) {
     batch->indices = std::move(indices);
     batch->data.resize(batch->indices.size());
     batch->errors.resize(batch->indices.size());
+    batch->in_buffer.resize(batch->indices.size());
     batch->source_failed.resize(batch->indices.size());
     batch->pending = batch->indices.size();
     for (size_t p = 0; p < batch->indices.size(); ++p) shared_->items.push_back({batch, p});
@@ -169,10 +221,34 @@ void LoaderEngine::work() {
     if (b.cancelled) continue;
     const size_t index = b.indices[item.position];
     at::Tensor data;
+    bool in_buffer = false;
     std::string error;
     bool source_failed = false;
     try {
-      data = s.dataset.get(index, b.epoch).data;
+      if (s.direct != nullptr) {
+        // Decoded straight into the batch's tensor, allocated by the first item to get there with
+        // that item's shape; an item of another shape gets a tensor of its own (and fails the
+        // batch below, as stacking it would).
+        s.dataset.read_item(index, b.epoch, [&](const std::vector<uint8_t>& bytes, const ItemInfo& info) {
+          s.direct->decode_into(bytes, info, [&](const std::array<int64_t, 3>& shape) -> float* {
+            {
+              std::lock_guard<std::mutex> lock(s.mutex);
+              if (!b.buffer.defined()) {
+                b.buffer = s.batch_tensor({static_cast<int64_t>(b.indices.size()), shape[0], shape[1], shape[2]});
+                b.item_shape = shape;
+              }
+              if (shape == b.item_shape) {
+                in_buffer = true;
+                return b.buffer.data_ptr<float>() + static_cast<int64_t>(item.position) * shape[0] * shape[1] * shape[2];
+              }
+            }
+            data = at::empty({shape[0], shape[1], shape[2]}, at::kFloat);
+            return data.data_ptr<float>();
+          });
+        });
+      } else {
+        data = s.dataset.get(index, b.epoch).data;
+      }
     } catch (const SourceError& e) {
       error = e.what();
       source_failed = true;
@@ -183,6 +259,7 @@ void LoaderEngine::work() {
     {
       std::lock_guard<std::mutex> lock(s.mutex);
       b.data[item.position] = std::move(data);
+      b.in_buffer[item.position] = in_buffer && error.empty();
       b.errors[item.position] = std::move(error);
       b.source_failed[item.position] = source_failed;
       last = --b.pending == 0;
@@ -193,15 +270,18 @@ void LoaderEngine::work() {
     std::string failure;
     bool failure_is_source = false;
     torch::data::Example<> result;
-    std::vector<at::Tensor> xs, ys;
+    std::vector<at::Tensor> xs;
+    std::vector<size_t> kept;  // dataset indices of xs
     int64_t skipped = 0;
     std::string first_skipped;
     const std::string batch_name =
         "ParallelLoader: batch " + std::to_string(b.number) + " of epoch " + std::to_string(b.epoch);
-    for (size_t p = 0; p < b.indices.size() && failure.empty(); ++p) {
+    bool whole_buffer = true;  // every item decoded into `buffer`: it is the batch, as it is
+    for (char in : b.in_buffer) whole_buffer = whole_buffer && in;
+    for (size_t p = 0; p < b.indices.size() && failure.empty() && !whole_buffer; ++p) {
       if (b.errors[p].empty()) {
-        xs.push_back(std::move(b.data[p]));
-        ys.push_back(s.dataset.target(b.indices[p]));
+        xs.push_back(b.in_buffer[p] ? b.buffer[static_cast<int64_t>(p)] : std::move(b.data[p]));
+        kept.push_back(b.indices[p]);
         continue;
       }
       const std::string what = batch_name + ", item " + std::to_string(p) + " (dataset index " +
@@ -213,7 +293,7 @@ void LoaderEngine::work() {
         if (skipped++ == 0) first_skipped = what;
       }
     }
-    if (failure.empty() && xs.empty()) {
+    if (failure.empty() && xs.empty() && !whole_buffer) {
       failure = batch_name + ": all " + std::to_string(b.indices.size()) +
                 " items failed (skip_bad leaves out bad items, not whole batches); the first: " + first_skipped;
     }
@@ -229,16 +309,17 @@ void LoaderEngine::work() {
     }
     if (failure.empty()) {
       try {
-        result = {at::stack(xs), at::stack(ys)};
+        result = whole_buffer ? torch::data::Example<>{b.buffer, stack_targets(s.dataset, b.indices)}
+                              : torch::data::Example<>{at::stack(xs), stack_targets(s.dataset, kept)};
       } catch (const std::exception& e) {
         failure = batch_name + ": stacking its items failed: " + e.what();
       }
     }
     xs.clear();
-    ys.clear();
     {
       std::lock_guard<std::mutex> lock(s.mutex);
       for (auto& t : b.data) t = at::Tensor();
+      b.buffer = at::Tensor();
       b.result = std::move(result);
       b.error = std::move(failure);
       b.error_is_source = failure_is_source;

@@ -70,6 +70,14 @@ class ImageDataset {
   // error; UsageError for an index out of range.
   torch::data::Example<> get(size_t index, int64_t epoch = 0) const;
 
+  // The decode function given at construction (ParallelLoader recognises image_decoder's in it).
+  const DecodeFn& decode_function() const;
+  // Item `index` read on the calling thread and its bytes given to `use`, with the ItemInfo of
+  // `epoch`, in place of the decode function: for a loader that decodes items itself (straight
+  // into a batch). Whatever `use` or the read throws is named as get() names it.
+  void read_item(size_t index, int64_t epoch,
+                 const std::function<void(const std::vector<uint8_t>& bytes, const ItemInfo& item)>& use) const;
+
   // The samples at `indices` (in that order), with the same source, decode function and classes.
   ImageDataset subset(const std::vector<size_t>& indices) const;
 

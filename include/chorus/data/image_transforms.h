@@ -114,6 +114,11 @@ class ImagePipeline {
 
  private:
   struct Step;  // one transform and its arguments (image_transforms.cc)
+  // The uint8 steps on `image`; returns `image` itself when no step changed it, else one of
+  // scratch[0] and scratch[1], between which the steps alternate (scratch[2]: a resize's middle
+  // pass). The scratch images may hold memory from earlier calls.
+  const Image* run_steps(const Image& image, uint64_t seed, uint64_t epoch, uint64_t index,
+                         std::array<Image, 3>& scratch) const;
   std::shared_ptr<const std::vector<Step>> steps_;
   std::shared_ptr<const std::pair<std::vector<float>, std::vector<float>>> mean_std_;
   ImagePipeline& add(Step step);

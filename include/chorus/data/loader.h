@@ -25,10 +25,16 @@
 //   items (or their stacked batches) at any time, whatever the number of threads; the batch handed
 //   to the loop is then the caller's. While the loop works on a batch, the next prefetch_batches
 //   are being decoded. Raw bytes: one item's per thread.
+// - Decoding into the batch: when the dataset's decode function is image_decoder's
+//   (chorus/data/image_tensor.h), each item is written straight into its batch's tensor: no tensor
+//   per item and no stacking copy. The loader then keeps the tensors of its latest
+//   prefetch_batches + 3 such batches, and writes a later batch into one the loop has let go of
+//   (no tensor, view or autograd graph refers to it any more) instead of allocating fresh memory;
+//   so that much memory may stay allocated after the loop has released its batches.
 // - Threads: `threads` decode threads, started by the constructor and joined by the destructor.
 //   Each takes the oldest waiting item: reads it from the dataset's ByteSource, decodes it, and the
-//   thread that finishes a batch's last item stacks the batch. The loader and its iterators are
-//   used from one thread (the consumer).
+//   thread that finishes a batch's last item stacks the batch (or hands over the tensor its items
+//   were decoded into). The loader and its iterators are used from one thread (the consumer).
 // - Passes: begin() starts a pass (sampler.reset()), cancelling the previous one. Destroying every
 //   iterator of a pass, or the loader, cancels it: waiting items are dropped at once and the
 //   destructor joins the threads after their current item (one decode), with no batch left alive.
