@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/utils/clip_grad.h>
 #include <dlfcn.h>
+#include <malloc.h>
 #include <torch/utils.h>
 #include <unistd.h>
 
@@ -262,6 +263,7 @@ double seconds_between(Clock::time_point a, Clock::time_point b) { return std::c
 
 Accelerator::Accelerator(AcceleratorOptions options)
     : options_(checked(std::move(options))), timing_(std::make_unique<Timing>()), records_(std::make_unique<Records>()) {
+  if (options_.tune_malloc) tune_malloc_for_training();
   if (options_.group) {
     group_ = options_.group;
   } else {
@@ -1032,6 +1034,18 @@ void set_num_threads(int threads) {
   torch::set_num_threads(threads);
   using SetThreads = void (*)(int);
   if (auto f = reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) f(threads);
+}
+
+bool tune_malloc_for_training() {
+  for (const char* name : {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"}) {
+    if (std::getenv(name) != nullptr) return false;
+  }
+  if (const char* v = std::getenv("CHORUS_MALLOC_TUNING"); v != nullptr && std::string(v) == "0") return false;
+  // 32 MiB is the largest mmap threshold glibc accepts (HEAP_MAX_SIZE / 2 on 64-bit); setting it
+  // also stops glibc's own adjustment of it.
+  const bool mmap_set = ::mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1;
+  const bool trim_set = ::mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1;
+  return mmap_set && trim_set;
 }
 
 int run_job(const char* program, int nproc, const std::function<void()>& train) {

@@ -8,11 +8,13 @@
 #include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <malloc.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
+#include <cstring>
 #include <sstream>
 #include <cmath>
 #include <filesystem>
@@ -273,6 +275,35 @@ std::vector<double> train_losses(MixedPrecision precision, c10::ScalarType* hidd
   *hidden_dtype = net->hidden_dtype;
   require(net->fc1->weight.scalar_type() == at::kFloat, "parameters left float32");
   return losses;
+}
+
+char* volatile g_escape = nullptr;
+
+// tune_malloc_for_training, in a forked rank (it changes the process's malloc): the user's own
+// settings or CHORUS_MALLOC_TUNING=0 leave malloc alone; applied, a 24 MiB block comes from the
+// heap (no new mapping) and freeing it keeps the heap (no trim). With glibc's defaults (mmap
+// threshold 128 KiB) the same block would be a mapping of its own.
+TEST(TuneMalloc, LargeBlocksStayInTheHeapUnlessTheUserSaysOtherwise) {
+  EXPECT_EQ(testing::run_ranks(1, [](int, int, std::shared_ptr<Store>) {
+    ::setenv("MALLOC_TRIM_THRESHOLD_", "1000000", 1);
+    require(!tune_malloc_for_training(), "applied although MALLOC_TRIM_THRESHOLD_ is set");
+    ::unsetenv("MALLOC_TRIM_THRESHOLD_");
+    ::setenv("CHORUS_MALLOC_TUNING", "0", 1);
+    require(!tune_malloc_for_training(), "applied although CHORUS_MALLOC_TUNING=0");
+    ::unsetenv("CHORUS_MALLOC_TUNING");
+    require(tune_malloc_for_training(), "not applied");
+    require(tune_malloc_for_training(), "a second call failed");
+    const size_t mapped_before = ::mallinfo2().hblkhd;
+    auto* block = static_cast<char*>(std::malloc(size_t{24} << 20));
+    require(block != nullptr, "malloc failed");
+    std::memset(block, 1, size_t{24} << 20);
+    g_escape = block;  // so that the compiler cannot drop the malloc, memset and free as unused
+    const struct mallinfo2 holding = ::mallinfo2();
+    require(holding.hblkhd == mapped_before, "the 24 MiB block is a mapping of its own: " +
+                                                  std::to_string(holding.hblkhd - mapped_before) + " bytes mapped");
+    std::free(block);
+    require(::mallinfo2().arena >= holding.arena, "freeing the block gave the heap back to the kernel");
+  }), "");
 }
 
 TEST(MixedPrecision, BF16LossStaysWithinToleranceOfFP32) {

@@ -143,6 +143,7 @@ struct AcceleratorOptions {
   bool fsync = true;                // false: no fsync of state files (tests on tmpfs)
   bool exit_on_signal = true;       // after a stop signal's save: exit the process with status 0
   bool progress = true;             // rank 0's progress bar or lines on stdout
+  bool tune_malloc = true;          // tune_malloc_for_training() when constructed (see there)
   int64_t log_every = 50;           // plain progress line every N steps when stdout is no terminal
 
   // nullptr: chorus::dist's default group, initialised with the three below unless it exists.
@@ -670,6 +671,18 @@ bool stdout_rewrites_in_place();
 // is the BLAS in use (Debian's libblas.so.3 alternative; it otherwise runs a thread per core, so
 // two ranks on two cores would run four BLAS threads).
 void set_num_threads(int threads);
+
+// glibc's malloc set for a training loop: blocks up to 32 MiB come from the heap, not from a fresh
+// mmap() each, and freed memory stays in the process (the top of the heap is given back to the
+// kernel only beyond 1 GiB). With glibc's defaults a step's activations and gradients above the
+// mmap threshold (128 KiB at first; it rises only when such a block is freed) are mapped afresh
+// and unmapped every step, and every first touch of their pages is a page fault: ResNet-18 at 64 px
+// trained 3-4x slower on this project's machine (docs/accelerator.md). Memory then stays at the
+// loop's peak instead of falling between steps. Process-wide; the Accelerator calls it unless
+// AcceleratorOptions::tune_malloc is false. Returns false and changes nothing when
+// CHORUS_MALLOC_TUNING=0, or MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_ is set (the user's own
+// settings win); true when applied (again: idempotent).
+bool tune_malloc_for_training();
 
 // Runs `train` as one rank of a job and returns main()'s exit status. In a process a launcher
 // started as one rank (chorus run or torchrun set RANK; mpirun with more than one rank sets
