@@ -750,7 +750,7 @@ std::shared_ptr<ProcessGroup> connect_process_group(const std::string& init_meth
   Rendezvous rv = rendezvous(init_method, rank, world_size, ro);
   // Make sure uncaught exceptions reach chorus run's report (signals.cc also installs it when the
   // program starts, for exceptions thrown before any chorus call).
-  if (!rv.error_file.empty()) install_error_file_handler(rv.error_file.c_str());
+  if (!rv.error_file.empty()) install_error_file_handler(rv.error_file.c_str(), rv.rank);
   // A launcher that restarts a job gives each attempt its own key space in the shared store, so a
   // new attempt never reads the addresses an earlier one published.
   if (!rv.store_prefix.empty()) rv.store = std::make_shared<PrefixStore>(rv.store_prefix, rv.store);

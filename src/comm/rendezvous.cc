@@ -185,6 +185,11 @@ bool launched_job(std::string* rank) {
   return found != nullptr;
 }
 
+std::string error_file_from_environment() {
+  const char* v = std::getenv("CHORUS_ERROR_FILE");
+  return v != nullptr ? v : "";
+}
+
 std::string split_host_port(const std::string& text, std::string* host, int* port) {
   std::string h;
   std::string port_text;
@@ -265,7 +270,7 @@ Rendezvous rendezvous(const std::string& text, int rank, int world_size,
                      " is outside [0, " + std::to_string(rv.world_size) + ") for world_size " +
                      std::to_string(rv.world_size));
   }
-  if (const char* v = env("CHORUS_ERROR_FILE")) rv.error_file = v;
+  rv.error_file = error_file_from_environment();
   if (const char* v = env("CHORUS_STORE_PREFIX")) rv.store_prefix = v;
   if (const char* v = env("CHORUS_TRANSPORT")) rv.transport = v;  // checked by the process group
   // From here on the library's log lines name this rank; CHORUS_LOG_LEVEL quiets them or asks for more.

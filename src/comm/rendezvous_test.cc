@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "chorus/comm/error.h"
+#include "chorus/comm/signals.h"
 #include "chorus/comm/spawn.h"
 #include "chorus/comm/tcp_store.h"
 #include "socket.h"
@@ -135,6 +136,34 @@ TEST_F(RendezvousTest, ReadsTheChorusVariablesForTheLayersAbove) {
   EXPECT_EQ(rv.store_prefix, "attempt-2/");
   EXPECT_EQ(rv.transport, "tcp");
   std::remove(path.c_str());
+}
+
+// The error record names the rank the process group checked, as a JSON number, whatever RANK
+// holds (it once copied RANK into the JSON as it stood), and escapes the message. In a child:
+// only the first record of a process is written.
+TEST_F(RendezvousTest, ErrorRecordWritesTheGroupsRankAsANumber) {
+  const std::string path = "/tmp/chorus-error-record-" + std::to_string(::getpid()) + ".json";
+  SpawnOptions o;
+  o.timeout = std::chrono::seconds(20);
+  spawn(1, [&](int, int) {
+    ::setenv("RANK", "0, \"injected\": 1", 1);  // what a broken launcher might hand over
+    ::setenv("CHORUS_ERROR_FILE", path.c_str(), 1);
+    const Rendezvous rv = rendezvous("file://" + path + ".store?rank=0&world_size=1");
+    install_error_file_handler(rv.error_file.c_str(), rv.rank);
+    record_fatal_error(PeerError("rank 1 left: \"bye\""));
+    std::remove((path + ".store").c_str());
+  }, o);
+  std::FILE* f = std::fopen(path.c_str(), "r");
+  ASSERT_NE(f, nullptr);
+  char buf[4096] = {};
+  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  std::remove(path.c_str());
+  const std::string record(buf, n);
+  EXPECT_THAT(record, ::testing::HasSubstr("\"rank\": 0, "));
+  EXPECT_THAT(record, ::testing::Not(::testing::HasSubstr("injected")));
+  EXPECT_THAT(record, ::testing::HasSubstr("\"message\": \"rank 1 left: \\\"bye\\\"\""));
+  EXPECT_THAT(record, ::testing::HasSubstr("\"relayed\": true"));
 }
 
 TEST_F(RendezvousTest, RestartCountIsTheLargestLaunchersCount) {

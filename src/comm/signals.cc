@@ -27,6 +27,7 @@ std::atomic<int> g_pending{0};
 void record(int sig) { g_pending.store(sig, std::memory_order_relaxed); }
 
 std::string g_error_file;
+int g_rank = -1;  // written as the record's rank (-1: null)
 std::terminate_handler g_previous = nullptr;
 
 std::string json_escape(const std::string& s) {
@@ -69,12 +70,12 @@ void write_record(const std::string& message, const std::string& type, bool rela
   ::clock_gettime(CLOCK_REALTIME, &now);
   const std::string tmp = g_error_file + ".tmp";
   if (FILE* f = std::fopen(tmp.c_str(), "w")) {
-    const char* rank = std::getenv("RANK");
+    const std::string rank = g_rank >= 0 ? std::to_string(g_rank) : "null";
     std::fprintf(f,
                  "{\"message\": \"%s\", \"type\": \"%s\", \"relayed\": %s, \"rank\": %s, \"pid\": %d, "
                  "\"time\": %lld.%06ld}\n",
                  json_escape(message).c_str(), json_escape(type).c_str(), relayed ? "true" : "false",
-                 rank != nullptr && *rank != '\0' ? rank : "null", static_cast<int>(::getpid()),
+                 rank.c_str(), static_cast<int>(::getpid()),
                  static_cast<long long>(now.tv_sec), now.tv_nsec / 1000);
     std::fclose(f);
     std::rename(tmp.c_str(), g_error_file.c_str());
@@ -101,16 +102,6 @@ void write_record(const std::string& message, const std::string& type, bool rela
   std::abort();
 }
 
-// chorus run tells its workers where to write; installing at load time covers exceptions thrown
-// before (or without) any chorus call.
-struct InstallFromEnvironment {
-  InstallFromEnvironment() {
-    if (const char* path = std::getenv("CHORUS_ERROR_FILE"); path != nullptr && *path != '\0') {
-      install_error_file_handler(path);
-    }
-  }
-} g_install_from_environment;
-
 }  // namespace
 
 void watch_signals() { watch_signals({SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2}); }
@@ -128,8 +119,9 @@ void watch_signals(std::initializer_list<int> signals) {
 int pending_signal() { return g_pending.load(std::memory_order_relaxed); }
 void clear_pending_signal() { g_pending.store(0, std::memory_order_relaxed); }
 
-void install_error_file_handler(const char* path) {
+void install_error_file_handler(const char* path, int rank) {
   g_error_file = path;
+  g_rank = rank;
   std::terminate_handler prev = std::set_terminate(on_terminate);
   if (prev != on_terminate) g_previous = prev;
 }

@@ -1050,6 +1050,13 @@ bool tune_malloc_for_training() {
 
 int run_job(const char* program, int nproc, const std::function<void()>& train) {
   if (std::string rank; launched_job(&rank)) {
+    // Errors before the process group exists are recorded too (connect_process_group installs
+    // the same file again, with the rank it checked).
+    if (const std::string file = error_file_from_environment(); !file.empty()) {
+      char* end = nullptr;
+      const long r = std::strtol(rank.c_str(), &end, 10);
+      install_error_file_handler(file.c_str(), end != rank.c_str() && *end == '\0' && r >= 0 && r < (1L << 30) ? static_cast<int>(r) : -1);
+    }
     if (nproc > 0) {
       std::fprintf(stderr,
                    "%s: error: this process is rank %s of a job started by a launcher (chorus run, torchrun, srun or "

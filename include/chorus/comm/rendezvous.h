@@ -80,6 +80,10 @@ int restart_count();
 // it (for messages; init_process_group checks it). Reads the environment.
 bool launched_job(std::string* rank = nullptr);
 
+// CHORUS_ERROR_FILE, where chorus run asks each worker to record the exception that ends it
+// (install_error_file_handler); "" when unset. rendezvous() reads it into Rendezvous::error_file.
+std::string error_file_from_environment();
+
 // Splits "HOST:PORT" or "[IPV6]:PORT" (the port a decimal integer in [1, 65535]) into *host and
 // *port. Returns "" on success; otherwise what is wrong ("no port", "no host", ...), for the
 // caller's error message, and leaves *host and *port untouched. Pure: no name lookup.

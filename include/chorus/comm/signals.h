@@ -27,10 +27,13 @@ int pending_signal();
 // Clears the recorded signal (e.g. after handling a SIGUSR1 that asked only for a checkpoint).
 void clear_pending_signal();
 
-// Called when chorus_comm is loaded and CHORUS_ERROR_FILE is set (chorus run sets it): an uncaught
-// exception is then recorded as by record_fatal_error before the process aborts, so the
-// launcher's report can show it. Also callable by hand with an explicit path.
-void install_error_file_handler(const char* path);
+// From here on an uncaught exception is recorded in `path` as by record_fatal_error before the
+// process aborts, so the launcher's report can show it; `rank` is the record's rank (-1: null).
+// chorus run names the file in CHORUS_ERROR_FILE: connect_process_group (and so
+// init_process_group) installs it from there (Rendezvous::error_file), and so does run_job before
+// the training function runs. A program that fails before either records nothing and is
+// reported by its exit status.
+void install_error_file_handler(const char* path, int rank = -1);
 
 // Records `error` as the one that ends this process, in the error file installed above (nothing
 // when none is): JSON {"message", "type", "relayed", "rank", "pid", "time"}, written atomically.
