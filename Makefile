@@ -42,7 +42,9 @@ stress: build
 
 # compare-ddp runs the Accelerator example as an extra row beside the hand-written loop (the
 # harness) and PyTorch DDP, its ranks pinned by `chorus run --bind-cpu` as the harness pins its own.
-ACCELERATOR_ROW = accelerator example={bin}/chorus run -n {world} --bind-cpu {bin}/fashion_mnist --max-steps {steps} --epochs {epochs} --batch-size {batch_size} --lr {lr} --seed {seed} --threads 1 --data {data} --overwrite
+# CHORUS_MALLOC_TUNING=0: the harness and PyTorch run with glibc's malloc defaults, and this row
+# measures what the Accelerator's own code costs, like for like (docs/accelerator.md).
+ACCELERATOR_ROW = accelerator example=env CHORUS_MALLOC_TUNING=0 {bin}/chorus run -n {world} --bind-cpu {bin}/fashion_mnist --max-steps {steps} --epochs {epochs} --batch-size {batch_size} --lr {lr} --seed {seed} --threads 1 --data {data} --overwrite
 
 bench: build
 	bench/compare-gloo
