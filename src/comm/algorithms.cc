@@ -236,6 +236,7 @@ void reduce_scatter(Transport& t, Scratch& s, const Tuning& tune, const wire::Ca
     if (count > 0 && in != out) std::memmove(out, in, count * esz);
     return;
   }
+  if (total == 0) return;  // nothing to send or reduce (and memcpy of nothing from a null buffer is undefined)
   char* work = s.get(2, total * esz);
   std::memcpy(work, in, total * esz);
   // Segments no larger than a block keep every chunk boundary on a block boundary.

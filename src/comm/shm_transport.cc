@@ -710,7 +710,7 @@ class ShmTransport final : public ShmTransportApi, public ShmCollectives {
     auto& inbox = inbox_[static_cast<size_t>(peer)];
     size_t& pos = inbox_pos_[static_cast<size_t>(peer)];
     const size_t buffered = std::min(n, inbox.size() - pos);
-    std::memcpy(dst, inbox.data() + pos, buffered);
+    if (buffered > 0) std::memcpy(dst, inbox.data() + pos, buffered);  // an empty inbox's data() may be null
     pos += buffered;
     if (pos == inbox.size()) {
       inbox.clear();
