@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -16,6 +17,7 @@
 #include <sstream>
 #include <thread>
 
+#include "chorus/comm/supervisor.h"
 #include "chorus/comm/tcp_store.h"
 #include "handshake.h"
 #include "socket.h"
@@ -105,23 +107,6 @@ void drain(Child& c) {
   ::_exit(code);
 }
 
-// The failed child most likely to be the root cause: killed by a signal (spawn has sent none yet),
-// then one that failed on its own error rather than a relayed PeerError, then the lowest rank.
-int root_cause(const std::vector<Child>& children) {
-  int best = -1, best_score = -1;
-  for (const auto& c : children) {
-    if (!c.exited || (WIFEXITED(c.status) && WEXITSTATUS(c.status) == 0)) continue;
-    int score = 1;
-    if (WIFSIGNALED(c.status)) score = 3;
-    else if (!c.relayed()) score = 2;
-    if (score > best_score) {
-      best = c.rank;
-      best_score = score;
-    }
-  }
-  return best;
-}
-
 }  // namespace
 
 void spawn(int nprocs, const std::function<void(int rank, int world_size)>& fn,
@@ -176,14 +161,10 @@ void spawn(int nprocs, const std::function<void(int rank, int world_size)>& fn,
   }
   server.start();  // children that connected already wait in the listen backlog
 
-  const auto start = Clock::now();
-  const bool has_deadline = options.timeout.count() > 0;
-  const auto deadline = has_deadline ? start + options.timeout : net::Deadline::max();
-  int first_failed = -1;
-  bool timed_out = false;
-  Clock::time_point kill_at = Clock::time_point::max();
-  Clock::time_point decide_at = Clock::time_point::max();
-  bool killed = false;
+  Supervisor::Options policy;
+  policy.grace_period = options.grace_period;
+  policy.timeout = options.timeout;
+  Supervisor supervisor(policy, Clock::now());
   size_t alive = children.size();
 
   while (alive > 0) {
@@ -192,16 +173,13 @@ void spawn(int nprocs, const std::function<void(int rank, int world_size)>& fn,
       if (c.msg_fd >= 0) pfds.push_back({c.msg_fd, POLLIN, 0});
       if (!c.exited && c.pidfd >= 0) pfds.push_back({c.pidfd, POLLIN, 0});
     }
-    auto wake = std::min({deadline, kill_at, decide_at});
-    int wait_ms = std::min(net::ms_until(wake), 100);  // 100 ms cap covers kernels without pidfd
+    const int wait_ms = std::min(std::max(net::ms_until(supervisor.next_wakeup()), 0), 100);  // 100 ms: kernels without pidfd
     ::poll(pfds.data(), pfds.size(), wait_ms);
-    bool failure_seen = false;
     for (auto& c : children) {
-      drain(c);
+      drain(c);  // a child writes its message before it exits: read it before reaping
       if (c.exited) continue;
       int status = 0;
-      pid_t got = ::waitpid(c.pid, &status, WNOHANG);
-      if (got != c.pid) continue;
+      if (::waitpid(c.pid, &status, WNOHANG) != c.pid) continue;
       c.exited = true;
       c.status = status;
       --alive;
@@ -209,29 +187,19 @@ void spawn(int nprocs, const std::function<void(int rank, int world_size)>& fn,
         ::close(c.pidfd);
         c.pidfd = -1;
       }
-      bool failed = !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-      failure_seen |= failed;
+      ExitReport r;
+      r.rank = c.rank;
+      r.signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+      r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      r.recorded = !c.message.empty();
+      r.relayed = c.relayed();
+      r.recorded_at = std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+      supervisor.on_exit(r, Clock::now());
     }
-    if (failure_seen && first_failed < 0 && !timed_out && decide_at == Clock::time_point::max()) {
-      // Peers report a death within a millisecond, often before the dead process can be reaped:
-      // collect failures for a moment before naming the root cause.
-      decide_at = Clock::now() + std::chrono::milliseconds(100);
-    }
-    if (first_failed < 0 && !timed_out && Clock::now() >= decide_at) {
-      first_failed = root_cause(children);
-      kill_all(SIGTERM);
-      kill_at = Clock::now() + options.grace_period;
-    }
-    auto now = Clock::now();
-    if (alive > 0 && has_deadline && now >= deadline && !timed_out && first_failed < 0) {
-      timed_out = true;
-      kill_all(SIGTERM);
-      kill_at = now + options.grace_period;
-    }
-    if (alive > 0 && !killed && now >= kill_at) {
-      killed = true;
-      kill_all(SIGKILL);
-      kill_at = Clock::time_point::max();
+    switch (supervisor.step(Clock::now(), alive)) {
+      case Supervisor::Send::kTerminate: kill_all(SIGTERM); break;
+      case Supervisor::Send::kKill: kill_all(SIGKILL); break;
+      case Supervisor::Send::kNothing: break;
     }
   }
   for (auto& c : children) {
@@ -248,8 +216,9 @@ void spawn(int nprocs, const std::function<void(int rank, int world_size)>& fn,
     }
   }
 
-  if (first_failed < 0 && !timed_out) first_failed = root_cause(children);  // all ended before deciding
-  if (first_failed < 0 && !timed_out) return;
+  const bool timed_out = supervisor.timed_out();
+  const int cause = supervisor.root_cause_index();
+  if (!timed_out && cause < 0) return;
 
   std::ostringstream out;
   SpawnFailure first;
@@ -258,7 +227,7 @@ void spawn(int nprocs, const std::function<void(int rank, int world_size)>& fn,
         << net::format_duration(options.timeout) << "; all were ended";
     first.rank = -1;
   } else {
-    const Child& c = children[static_cast<size_t>(first_failed)];
+    const Child& c = children[static_cast<size_t>(supervisor.exits()[static_cast<size_t>(cause)].rank)];
     first.rank = c.rank;
     if (WIFSIGNALED(c.status)) {
       first.signal = WTERMSIG(c.status);

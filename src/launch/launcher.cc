@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <climits>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -28,6 +29,7 @@
 #include "chorus/comm/error.h"
 #include "chorus/comm/rendezvous.h"
 #include "chorus/comm/spawn.h"
+#include "chorus/comm/supervisor.h"
 #include "chorus/comm/tcp_store.h"
 
 extern char** environ;
@@ -100,6 +102,14 @@ struct ErrorRecord {
   bool relayed = false;  // a PeerError: it failed because another rank did
   double time = 0;       // wall clock, seconds
 };
+
+// Milliseconds from now until `t` for poll(): 0 when past, INT_MAX at most.
+int ms_until(Clock::time_point t) {
+  const auto now = Clock::now();
+  if (t <= now) return 0;
+  const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(t - now).count() + 1;
+  return ms > INT_MAX ? INT_MAX : static_cast<int>(ms);
+}
 
 ErrorRecord read_error_record(const std::string& path) {
   ErrorRecord r;
@@ -509,36 +519,6 @@ class Agent {
     return out.str();
   }
 
-  // The failed worker most likely to be the root cause, by what it recorded, not by its wording:
-  // one that recorded an error of its own (the earliest), then one killed by a signal without a
-  // record (none sent by us yet: SIGKILL, a crash), then one that exited non-zero without a record
-  // (the first seen), then one whose record is relayed (it failed because another rank did).
-  // A worker that exited 0 is never the cause.
-  const Worker& root_cause(const std::vector<Worker>& ws) {
-    const Worker* best = nullptr;
-    int best_score = -1;
-    double best_time = 0;
-    for (const auto& w : ws) {
-      if (!w.exited || (WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0)) continue;
-      const ErrorRecord r = read_error_record(w.error_file);
-      int score;
-      double time;
-      if (r.present) {
-        score = r.relayed ? 1 : 4;
-        time = r.time;
-      } else {
-        score = WIFSIGNALED(w.status) ? 3 : 2;
-        time = std::chrono::duration<double>(w.exit_seen.time_since_epoch()).count();
-      }
-      if (score > best_score || (score == best_score && time < best_time)) {
-        best = &w;
-        best_score = score;
-        best_time = time;
-      }
-    }
-    return *best;
-  }
-
   void signal_all(std::vector<Worker>& ws, int sig) {
     for (auto& w : ws) {
       if (!w.exited && w.pid > 0) ::kill(w.pid, sig);
@@ -559,8 +539,9 @@ class Agent {
 
     const std::string failed_key = "launch/attempt" + std::to_string(attempt) + "/failed";
     Failure failure;
-    auto kill_at = Clock::time_point::max();
-    auto decide_at = Clock::time_point::max();
+    Supervisor::Options policy;
+    policy.grace_period = grace();
+    Supervisor supervisor(policy, Clock::now());
     auto next_store_check = Clock::now();
     size_t alive = ws.size();
     while (alive > 0) {
@@ -570,14 +551,14 @@ class Agent {
         if (!w.exited && w.pidfd >= 0) pfds.push_back({w.pidfd, POLLIN, 0});
         if (w.out_fd >= 0) pfds.push_back({w.out_fd, POLLIN, 0});
       }
-      ::poll(pfds.data(), pfds.size(), 100);
+      ::poll(pfds.data(), pfds.size(), std::min(ms_until(supervisor.next_wakeup()), 100));
 
       unsigned char sig = 0;
       while (::read(g_signal_pipe[0], &sig, 1) == 1) {
         signal_all(ws, sig);
         if (sig != SIGUSR1 && sig != SIGUSR2 && stop_signal_ == 0) {
           stop_signal_ = sig;
-          kill_at = std::min(kill_at, Clock::now() + grace());
+          supervisor.on_stop(Clock::now());
         }
       }
       for (auto& w : ws) {
@@ -593,18 +574,35 @@ class Agent {
           ::close(w.pidfd);
           w.pidfd = -1;
         }
-        const bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-        if (!ok && !failure.happened && stop_signal_ == 0 && decide_at == Clock::time_point::max()) {
-          // Peers report a death within a millisecond, often before the dead worker is reaped:
-          // collect failures for a moment, then name the root cause.
-          decide_at = Clock::now() + std::chrono::milliseconds(100);
+        // The record is renamed into place before the worker exits: complete when it is reaped.
+        const ErrorRecord rec = read_error_record(w.error_file);
+        ExitReport r;
+        r.rank = w.rank;
+        r.signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+        r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+        r.recorded = rec.present;
+        r.relayed = rec.relayed;
+        r.recorded_at = rec.time;
+        supervisor.on_exit(r, w.exit_seen);
+      }
+      if (o_.nnodes > 1 && !supervisor.failure_decided() && Clock::now() >= next_store_check) {
+        next_store_check = Clock::now() + std::chrono::milliseconds(100);
+        try {
+          if (store_->check({failed_key})) {
+            failure.happened = true;
+            failure.report = store_->get(failed_key);
+            supervisor.on_remote_failure(Clock::now());
+          }
+        } catch (const Error&) {
+          // The store is gone (node 0 finished): local workers go on by themselves.
         }
       }
-      if (!failure.happened && stop_signal_ == 0 && (Clock::now() >= decide_at || (alive == 0 && decide_at != Clock::time_point::max()))) {
+      const Supervisor::Send send = supervisor.step(Clock::now(), alive);
+      if (supervisor.failure_decided() && !failure.happened) {
+        // Decided here: name the root cause, and tell the other nodes.
         failure.happened = true;
-        failure.report = describe_failure(ws, root_cause(ws));
-        signal_all(ws, SIGTERM);
-        kill_at = Clock::now() + grace();
+        const int rank = supervisor.exits()[static_cast<size_t>(supervisor.root_cause_index())].rank;
+        failure.report = describe_failure(ws, ws[static_cast<size_t>(rank - offset_)]);
         if (o_.nnodes > 1) {
           try {
             store_->set(failed_key, "node " + std::to_string(o_.node_rank) + ": " + failure.report);
@@ -612,23 +610,8 @@ class Agent {
           }
         }
       }
-      if (o_.nnodes > 1 && !failure.happened && Clock::now() >= next_store_check) {
-        next_store_check = Clock::now() + std::chrono::milliseconds(100);
-        try {
-          if (store_->check({failed_key})) {
-            failure.happened = true;
-            failure.report = store_->get(failed_key);
-            signal_all(ws, SIGTERM);
-            kill_at = Clock::now() + grace();
-          }
-        } catch (const Error&) {
-          // The store is gone (node 0 finished): local workers go on by themselves.
-        }
-      }
-      if (Clock::now() >= kill_at) {
-        signal_all(ws, SIGKILL);
-        kill_at = Clock::time_point::max();
-      }
+      if (send == Supervisor::Send::kTerminate) signal_all(ws, SIGTERM);
+      if (send == Supervisor::Send::kKill) signal_all(ws, SIGKILL);
     }
     for (auto& w : ws) {
       while (w.out_fd >= 0) pump_output(w, true);
