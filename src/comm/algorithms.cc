@@ -156,7 +156,7 @@ void reduce(Transport& t, Scratch& s, const wire::Call& call, void* buf, size_t 
   char* acc = static_cast<char*>(buf);
   if (r != root && !children.empty()) {
     acc = s.get(1, bytes);
-    std::memcpy(acc, buf, bytes);
+    if (bytes > 0) std::memcpy(acc, buf, bytes);  // no bytes: buf may be null
   }
   char* tmp = s.get(0, bytes);
   for (auto it = children.rbegin(); it != children.rend(); ++it) {
