@@ -77,7 +77,7 @@ sanitize: deps
 	cmake -S . -B $(SANITIZE_BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCHORUS_WITH_TORCH=OFF \
 	  -DCHORUS_SANITIZE=$(SANITIZE) -DCHORUS_BUILD_BENCHMARKS=OFF -DCHORUS_BUILD_EXAMPLES=OFF -DCHORUS_INSTALL=OFF
 	cmake --build $(SANITIZE_BUILD_DIR)
-	cd $(SANITIZE_BUILD_DIR) && UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 TSAN_OPTIONS=halt_on_error=1 \
+	cd $(SANITIZE_BUILD_DIR) && UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 TSAN_OPTIONS="halt_on_error=1 suppressions=$(CURDIR)/tests/sanitizers/tsan.supp" \
 	  ctest --output-on-failure --timeout 900 $(CTEST_FLAGS)
 
 clean:

@@ -231,7 +231,7 @@ struct FileStore::State {
 FileStore::FileStore(std::string path, std::chrono::milliseconds timeout)
     : path_(std::move(path)), state_(std::make_unique<State>()) {
   if (path_.empty()) throw UsageError("FileStore needs a file path");
-  timeout_ = timeout;
+  set_timeout(timeout);
   state_->path = path_;
   state_->name = describe();
   state_->open();
@@ -249,7 +249,7 @@ void FileStore::set(const std::string& key, const std::string& value) {
 
 std::string FileStore::get(const std::string& key) {
   std::string value;
-  state_->poll({key}, timeout_, &value);
+  state_->poll({key}, timeout(), &value);
   return value;
 }
 

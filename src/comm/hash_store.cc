@@ -58,7 +58,7 @@ void HashStore::set(const std::string& key, const std::string& value) {
 
 std::string HashStore::get(const std::string& key) {
   std::unique_lock<std::mutex> lock(state_->mu);
-  state_->wait_locked(lock, {key}, timeout_);
+  state_->wait_locked(lock, {key}, timeout());
   return state_->map.at(key);
 }
 

@@ -9,14 +9,14 @@ namespace chorus {
 PrefixStore::PrefixStore(std::string prefix, std::shared_ptr<Store> base)
     : prefix_(std::move(prefix)), base_(std::move(base)) {
   if (!base_) throw UsageError("PrefixStore('" + prefix_ + "'): the base store is null");
-  timeout_ = base_->timeout();
+  set_timeout(base_->timeout());
 }
 
 void PrefixStore::set(const std::string& k, const std::string& value) { base_->set(key(k), value); }
 
 std::string PrefixStore::get(const std::string& k) {
   // get() waits for this store's timeout, which set_timeout() may have made differ from the base's.
-  if (timeout_ != base_->timeout()) base_->wait({key(k)}, timeout_);
+  if (timeout() != base_->timeout()) base_->wait({key(k)}, timeout());
   return base_->get(key(k));
 }
 

@@ -265,7 +265,7 @@ namespace {
 // keys can be deleted once no rank needs them (release_setup_keys).
 class RecordingStore final : public Store {
  public:
-  explicit RecordingStore(Store& base) : base_(base) { timeout_ = base.timeout(); }
+  explicit RecordingStore(Store& base) : base_(base) { set_timeout(base.timeout()); }
   void set(const std::string& key, const std::string& value) override {
     remember(key);
     base_.set(key, value);

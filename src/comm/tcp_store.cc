@@ -1030,7 +1030,7 @@ struct TcpStore::Impl {
 TcpStore::TcpStore(TcpStoreOptions options) : impl_(std::make_unique<Impl>()) {
   Impl& s = *impl_;
   s.options = std::move(options);
-  timeout_ = s.options.timeout;
+  set_timeout(s.options.timeout);
   if (s.options.is_server) {
     TcpStoreServerOptions server;
     server.host = is_ip_address(s.options.host) ? s.options.host : "";
@@ -1070,14 +1070,14 @@ void TcpStore::set(const std::string& key, const std::string& value) {
   impl_->check_key(key);
   impl_->check_value(key, value);
   std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl::Call call(*impl_, "set('" + detail::format_key(key) + "')", with_slack(timeout_));
+  Impl::Call call(*impl_, "set('" + detail::format_key(key) + "')", with_slack(timeout()));
   call.send(Writer().u8(uint8_t(Command::kSet)).str(key).u32(static_cast<uint32_t>(value.size())).bytes(), value);
   call.expect_ok();
 }
 
 std::string TcpStore::get(const std::string& key) {
   impl_->check_key(key);
-  const std::chrono::milliseconds timeout = timeout_;
+  const std::chrono::milliseconds timeout = Store::timeout();
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl::Call call(*impl_, "get('" + detail::format_key(key) + "')", with_slack(timeout));
   call.send(Writer().u8(uint8_t(Command::kGet)).i64(timeout_ms(timeout)).str(key).bytes());
@@ -1092,7 +1092,7 @@ std::string TcpStore::get(const std::string& key) {
 int64_t TcpStore::add(const std::string& key, int64_t delta) {
   impl_->check_key(key);
   std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl::Call call(*impl_, "add('" + detail::format_key(key) + "')", with_slack(timeout_));
+  Impl::Call call(*impl_, "add('" + detail::format_key(key) + "')", with_slack(timeout()));
   call.send(Writer().u8(uint8_t(Command::kAdd)).str(key).i64(delta).bytes());
   call.expect_ok();
   return call.i64();
@@ -1104,7 +1104,7 @@ std::string TcpStore::compare_set(const std::string& key, const std::string& exp
   impl_->check_value(key, expected);
   impl_->check_value(key, desired);
   std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl::Call call(*impl_, "compare_set('" + detail::format_key(key) + "')", with_slack(timeout_));
+  Impl::Call call(*impl_, "compare_set('" + detail::format_key(key) + "')", with_slack(timeout()));
   call.send(Writer().u8(uint8_t(Command::kCompareSet)).str(key).str(expected).str(desired).bytes());
   call.expect_ok();
   return call.str(kMaxReplyValueBytes);
@@ -1125,7 +1125,7 @@ void TcpStore::wait(const std::vector<std::string>& keys, std::chrono::milliseco
 bool TcpStore::check(const std::vector<std::string>& keys) {
   impl_->check_keys(keys);
   std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl::Call call(*impl_, "check([" + detail::join_keys(keys) + "])", with_slack(timeout_));
+  Impl::Call call(*impl_, "check([" + detail::join_keys(keys) + "])", with_slack(timeout()));
   call.send(Writer().u8(uint8_t(Command::kCheck)).keys(keys).bytes());
   call.expect_ok();
   return call.u8() != 0;
@@ -1134,7 +1134,7 @@ bool TcpStore::check(const std::vector<std::string>& keys) {
 bool TcpStore::delete_key(const std::string& key) {
   impl_->check_key(key);
   std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl::Call call(*impl_, "delete_key('" + detail::format_key(key) + "')", with_slack(timeout_));
+  Impl::Call call(*impl_, "delete_key('" + detail::format_key(key) + "')", with_slack(timeout()));
   call.send(Writer().u8(uint8_t(Command::kDelete)).str(key).bytes());
   call.expect_ok();
   return call.u8() != 0;
@@ -1142,7 +1142,7 @@ bool TcpStore::delete_key(const std::string& key) {
 
 int64_t TcpStore::num_keys() {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  Impl::Call call(*impl_, "num_keys()", with_slack(timeout_));
+  Impl::Call call(*impl_, "num_keys()", with_slack(timeout()));
   call.send(Writer().u8(uint8_t(Command::kNumKeys)).bytes());
   call.expect_ok();
   return call.i64();

@@ -616,6 +616,11 @@ class Agent {
     for (auto& w : ws) {
       while (w.out_fd >= 0) pump_output(w, true);
     }
+    if (supervisor.root_cause_index() >= 0) {
+      // Again now that every worker has ended: ranks that ended after the decision are in it too.
+      const int rank = supervisor.exits()[static_cast<size_t>(supervisor.root_cause_index())].rank;
+      failure.report = describe_failure(ws, ws[static_cast<size_t>(rank - offset_)]);
+    }
     return failure;
   }
 

@@ -8,6 +8,7 @@
 // - A store whose server is gone throws chorus::PeerError; nothing blocks past its deadline.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -34,7 +35,7 @@ class Store {
                                   const std::string& desired) = 0;
   // Waits until every key exists; throws TimeoutError naming the missing ones.
   virtual void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) = 0;
-  void wait(const std::vector<std::string>& keys) { wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys) { wait(keys, timeout()); }
   // True when every key exists; does not wait.
   virtual bool check(const std::vector<std::string>& keys) = 0;
   // Removes the key; true if it existed.
@@ -44,11 +45,13 @@ class Store {
   // A short description for error messages: "TcpStore(10.0.0.1:29500)".
   virtual std::string describe() const = 0;
 
-  std::chrono::milliseconds timeout() const { return timeout_; }
-  void set_timeout(std::chrono::milliseconds timeout) { timeout_ = timeout; }
+  // The default timeout of get() and wait(keys). Both may be called while other threads use the
+  // store (it is atomic); a call already waiting keeps the timeout it started with.
+  std::chrono::milliseconds timeout() const { return std::chrono::milliseconds(timeout_ms_.load(std::memory_order_relaxed)); }
+  void set_timeout(std::chrono::milliseconds timeout) { timeout_ms_.store(timeout.count(), std::memory_order_relaxed); }
 
- protected:
-  std::chrono::milliseconds timeout_ = kDefaultTimeout;
+ private:
+  std::atomic<int64_t> timeout_ms_{kDefaultTimeout.count()};
 };
 
 // In-process store (threads of one process). For tests and single-process groups.
