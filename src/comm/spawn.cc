@@ -217,7 +217,7 @@ void spawn(int nprocs, const std::function<void(int rank, int world_size)>& fn,
   }
 
   const bool timed_out = supervisor.timed_out();
-  const int cause = supervisor.root_cause_index();
+  const int cause = supervisor.root_cause_rank();
   if (!timed_out && cause < 0) return;
 
   std::ostringstream out;
@@ -227,7 +227,7 @@ void spawn(int nprocs, const std::function<void(int rank, int world_size)>& fn,
         << net::format_duration(options.timeout) << "; all were ended";
     first.rank = -1;
   } else {
-    const Child& c = children[static_cast<size_t>(supervisor.exits()[static_cast<size_t>(cause)].rank)];
+    const Child& c = children[static_cast<size_t>(cause)];
     first.rank = c.rank;
     if (WIFSIGNALED(c.status)) {
       first.signal = WTERMSIG(c.status);

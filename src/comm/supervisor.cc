@@ -38,6 +38,22 @@ void Supervisor::on_exit(const ExitReport& report, Clock::time_point now) {
   }
 }
 
+void Supervisor::on_record(const ExitReport& report, Clock::time_point now) {
+  for (const ExitReport& e : exits_) {
+    if (e.rank == report.rank) return;  // reaped already: its exit report has the record
+  }
+  for (const ExitReport& r : records_) {
+    if (r.rank == report.rank) return;
+  }
+  ExitReport r = report;
+  r.recorded = true;
+  if (!r.failed()) r.exit_code = 1;  // it is failing
+  records_.push_back(r);
+  if (!decided_ && !timed_out_ && !stopping_ && decide_at_ == Clock::time_point::max()) {
+    decide_at_ = now + options_.failure_window;
+  }
+}
+
 void Supervisor::on_stop(Clock::time_point now) {
   if (stopping_) return;
   stopping_ = true;
@@ -56,7 +72,15 @@ Supervisor::Send Supervisor::step(Clock::time_point now, size_t running) {
   const bool undecided = !decided_ && !timed_out_ && !stopping_;
   if (undecided && decide_at_ != Clock::time_point::max() && (now >= decide_at_ || running == 0)) {
     decided_ = true;
-    root_ = root_cause(exits_);
+    // The exits, then the records of processes still running (those reaped are in exits_).
+    std::vector<ExitReport> all = exits_;
+    for (const ExitReport& r : records_) {
+      bool reaped = false;
+      for (const ExitReport& e : exits_) reaped = reaped || e.rank == r.rank;
+      if (!reaped) all.push_back(r);
+    }
+    const int cause = root_cause(all);
+    root_ = cause < 0 ? -1 : all[static_cast<size_t>(cause)].rank;
     terminate_due_ = true;
     kill_at_ = now + options_.grace_period;
   } else if (undecided && running > 0 && now >= deadline_) {

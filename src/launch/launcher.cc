@@ -168,6 +168,7 @@ struct Worker {
   bool exited = false;
   int status = 0;
   Clock::time_point exit_seen;  // when the launcher reaped it
+  bool record_seen = false;     // its error record was read while it still ran
   std::string error_file;
   std::string log_path;
 };
@@ -585,6 +586,22 @@ class Agent {
         r.recorded_at = rec.time;
         supervisor.on_exit(r, w.exit_seen);
       }
+      if (!supervisor.failure_decided()) {
+        // A worker writes its error record before it exits, and its teardown may take longer than
+        // the failure window: a record of a worker still running counts too.
+        for (auto& w : ws) {
+          if (w.exited || w.record_seen) continue;
+          const ErrorRecord rec = read_error_record(w.error_file);
+          if (!rec.present) continue;
+          w.record_seen = true;
+          ExitReport r;
+          r.rank = w.rank;
+          r.recorded = true;
+          r.relayed = rec.relayed;
+          r.recorded_at = rec.time;
+          supervisor.on_record(r, Clock::now());
+        }
+      }
       if (o_.nnodes > 1 && !supervisor.failure_decided() && Clock::now() >= next_store_check) {
         next_store_check = Clock::now() + std::chrono::milliseconds(100);
         try {
@@ -601,8 +618,7 @@ class Agent {
       if (supervisor.failure_decided() && !failure.happened) {
         // Decided here: name the root cause, and tell the other nodes.
         failure.happened = true;
-        const int rank = supervisor.exits()[static_cast<size_t>(supervisor.root_cause_index())].rank;
-        failure.report = describe_failure(ws, ws[static_cast<size_t>(rank - offset_)]);
+        failure.report = describe_failure(ws, ws[static_cast<size_t>(supervisor.root_cause_rank() - offset_)]);
         if (o_.nnodes > 1) {
           try {
             store_->set(failed_key, "node " + std::to_string(o_.node_rank) + ": " + failure.report);
@@ -616,10 +632,9 @@ class Agent {
     for (auto& w : ws) {
       while (w.out_fd >= 0) pump_output(w, true);
     }
-    if (supervisor.root_cause_index() >= 0) {
+    if (supervisor.root_cause_rank() >= 0) {
       // Again now that every worker has ended: ranks that ended after the decision are in it too.
-      const int rank = supervisor.exits()[static_cast<size_t>(supervisor.root_cause_index())].rank;
-      failure.report = describe_failure(ws, ws[static_cast<size_t>(rank - offset_)]);
+      failure.report = describe_failure(ws, ws[static_cast<size_t>(supervisor.root_cause_rank() - offset_)]);
     }
     return failure;
   }

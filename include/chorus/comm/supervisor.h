@@ -51,6 +51,11 @@ class Supervisor {
   Supervisor(Options options, Clock::time_point start);
 
   void on_exit(const ExitReport& report, Clock::time_point now);
+  // A process still running recorded its error (it writes the record before it exits, and its
+  // teardown may outlast the failure window): it counts for the root cause as if it had exited
+  // non-zero with that record, and opens the window as a failed exit does. `report.rank` names it;
+  // its exit, when reaped, is reported by on_exit as usual.
+  void on_record(const ExitReport& report, Clock::time_point now);
   void on_stop(Clock::time_point now);            // a stop signal, already forwarded to the job
   void on_remote_failure(Clock::time_point now);  // decided elsewhere: terminate, no local cause
 
@@ -63,8 +68,8 @@ class Supervisor {
   bool failure_decided() const { return decided_; }
   bool timed_out() const { return timed_out_; }
   bool stopping() const { return stopping_; }
-  // The root cause's index in exits() once a failure is decided here (-1: none, or decided elsewhere).
-  int root_cause_index() const { return root_; }
+  // The root cause's rank once a failure is decided here (-1: none, or decided elsewhere).
+  int root_cause_rank() const { return root_; }
   const std::vector<ExitReport>& exits() const { return exits_; }
 
  private:
@@ -73,6 +78,7 @@ class Supervisor {
   Clock::time_point decide_at_ = Clock::time_point::max();
   Clock::time_point kill_at_ = Clock::time_point::max();
   std::vector<ExitReport> exits_;
+  std::vector<ExitReport> records_;  // on_record's, of processes not reaped yet
   bool decided_ = false;
   bool timed_out_ = false;
   bool stopping_ = false;
