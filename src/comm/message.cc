@@ -80,4 +80,11 @@ std::string describe(const Header& h) {
   return describe_fields(h.op, h.seq, h.dtype, h.reduce_op, h.count, h.arg);
 }
 
+std::string mismatch_message(const std::string& who, const Call& mine, const std::string& peer,
+                             const std::string& theirs) {
+  return who + ": collective mismatch: this rank called " + describe(mine) + " but " + peer + " " + theirs +
+         "; every rank must call the same collectives and point-to-point operations in the same order with the "
+         "same dtype, count, op and root";
+}
+
 }  // namespace chorus::wire

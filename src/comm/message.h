@@ -70,4 +70,10 @@ bool same_call(const Header& h, const Call& c);
 std::string describe(const Call& call);
 std::string describe(const Header& h);
 
+// The one wording of a collective mismatch, for every transport: "<who>: collective mismatch: this
+// rank called <mine> but <peer> <theirs>; <fix>". `theirs` says what the peer did ("called
+// allreduce #3 (...)", "is in barrier #4, waiting for this rank at a shared-memory barrier").
+std::string mismatch_message(const std::string& who, const Call& mine, const std::string& peer,
+                             const std::string& theirs);
+
 }  // namespace chorus::wire

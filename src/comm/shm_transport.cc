@@ -742,10 +742,7 @@ class ShmTransport final : public ShmTransportApi, public ShmCollectives {
           throw PeerError(prefix() + ": corrupt message from " + peer_name(peer) + " (bad magic)");
         }
         if (!wire::same_call(h, r.expect)) {
-          throw MismatchError(me() + ": collective mismatch: this rank called " + wire::describe(r.expect) + " but " +
-                              peer_name(peer) + " called " + wire::describe(h) +
-                              "; every rank must call the same collectives in the same order with the same dtype, "
-                              "count, op and root");
+          throw MismatchError(wire::mismatch_message(me(), r.expect, peer_name(peer), "called " + wire::describe(h)));
         }
         if (h.payload != r.n) {
           throw MismatchError(prefix() + ": " + peer_name(peer) + " sent " + std::to_string(h.payload) +
@@ -845,10 +842,7 @@ class ShmTransport final : public ShmTransportApi, public ShmCollectives {
       }
       if (latest == 0) theirs = wire::Call{};
     }
-    throw MismatchError(me() + ": collective mismatch: this rank called " + wire::describe(call_) + " but " +
-                        peer_name(peer) + " called " + wire::describe(theirs) +
-                        "; every rank must call the same collectives in the same order with the same "
-                        "dtype, count, op and root");
+    throw MismatchError(wire::mismatch_message(me(), call_, peer_name(peer), "called " + wire::describe(theirs)));
   }
 
   // Past the first barrier, the peer's descriptor for this call is final: an allreduce on a shared
@@ -922,10 +916,9 @@ class ShmTransport final : public ShmTransportApi, public ShmCollectives {
           h->stage.load(std::memory_order_acquire) > stage_) {
         pump();  // take what it wrote before it got there
         if (waiting_on(p)) {
-          throw MismatchError(me() + ": collective mismatch: this rank called " + wire::describe(call_) + " but " +
-                              peer_name(p) + " is in " + wire::describe(current_call(p)) +
-                              ", waiting for this rank at a shared-memory barrier; every rank must call the same "
-                              "collectives and point-to-point operations in a compatible order");
+          throw MismatchError(wire::mismatch_message(
+              me(), call_, peer_name(p),
+              "is in " + wire::describe(current_call(p)) + ", waiting for this rank at a shared-memory barrier"));
         }
       }
       const bool dead = gone(p);

@@ -342,11 +342,8 @@ class TcpTransport final : public Transport {
           continue;
         }
         if (!wire::same_call(h, r.expect)) {
-          throw MismatchError(
-              "chorus: rank " + std::to_string(rank_) + ": collective mismatch: this rank called " +
-              wire::describe(r.expect) + " but " + peer_name(c.peer) + " called " + wire::describe(h) +
-              "; every rank must call the same collectives in the same order with the same "
-              "dtype, count, op and root");
+          throw MismatchError(wire::mismatch_message("chorus: rank " + std::to_string(rank_), r.expect,
+                                                     peer_name(c.peer), "called " + wire::describe(h)));
         }
         if (h.payload != r.n) {
           throw MismatchError(prefix() + ": " + peer_name(c.peer) + " sent " + std::to_string(h.payload) +
