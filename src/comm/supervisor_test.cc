@@ -78,10 +78,12 @@ TEST(Supervisor, AFailureIsDecidedAfterTheWindowThenTermThenKillAfterTheGrace) {
   EXPECT_EQ(s.step(t0 + 10ms, 2), Send::kNothing);
   EXPECT_EQ(s.next_wakeup(), t0 + 110ms);
   EXPECT_FALSE(s.failure_decided());
+  EXPECT_TRUE(s.deciding());
   s.on_exit(killed(0, SIGKILL), t0 + 50ms);  // the real cause, reaped later
   EXPECT_EQ(s.step(t0 + 109ms, 1), Send::kNothing);
   EXPECT_EQ(s.step(t0 + 110ms, 1), Send::kTerminate);
   EXPECT_TRUE(s.failure_decided());
+  EXPECT_FALSE(s.deciding());
   EXPECT_EQ(s.root_cause_rank(), 0);
   EXPECT_EQ(s.next_wakeup(), t0 + 3110ms);
   EXPECT_EQ(s.step(t0 + 3109ms, 1), Send::kNothing);

@@ -586,9 +586,10 @@ class Agent {
         r.recorded_at = rec.time;
         supervisor.on_exit(r, w.exit_seen);
       }
-      if (!supervisor.failure_decided()) {
+      if (supervisor.deciding()) {
         // A worker writes its error record before it exits, and its teardown may take longer than
-        // the failure window: a record of a worker still running counts too.
+        // the failure window: a record of a worker still running counts too. (Read only while a
+        // failure is being decided: no file reads per worker per poll in a healthy job.)
         for (auto& w : ws) {
           if (w.exited || w.record_seen) continue;
           const ErrorRecord rec = read_error_record(w.error_file);

@@ -66,6 +66,8 @@ class Supervisor {
   Clock::time_point next_wakeup() const;
 
   bool failure_decided() const { return decided_; }
+  // A failed exit or a record has opened the window and the failure is not decided yet.
+  bool deciding() const { return !decided_ && !timed_out_ && !stopping_ && decide_at_ != Clock::time_point::max(); }
   bool timed_out() const { return timed_out_; }
   bool stopping() const { return stopping_; }
   // The root cause's rank once a failure is decided here (-1: none, or decided elsewhere).
