@@ -2,7 +2,9 @@
 // world size and the store's address. Pure: it reads only the map it is given.
 #include "cluster_env.h"
 
+#include <algorithm>
 #include <charconv>
+#include <functional>
 #include <initializer_list>
 #include <utility>
 
@@ -260,7 +262,7 @@ ClusterEnv from_slurm(const Environment& env, int rank, int world_size) {
                        ": none of SLURM_STEP_NODELIST, SLURM_JOB_NODELIST or SLURM_NODELIST is set "
                        "to take the first host from; set MASTER_ADDR to the host of rank 0");
     }
-    c.master_addr = expand_hostlist(list, list_var).front();
+    c.master_addr = expand_hostlist(list, list_var, 1).front();
     c.master_addr_from = "first host of " + list_var;
   }
   if (c.master_port < 0) {
@@ -319,12 +321,38 @@ ClusterEnv resolve_cluster_env(const Environment& env, int rank, int world_size)
   return c;
 }
 
-std::vector<std::string> expand_hostlist(const std::string& list, const std::string& what) {
-  auto bad = [&](const std::string& why) -> UsageError {
-    return UsageError(what + "='" + list + "' is not a Slurm host list (" + why +
-                      "); expected names like node[01-03,07],login");
-  };
-  // Split at the commas outside brackets.
+namespace {
+
+// One bracket item of a host list: the numbers lo..hi, zero-padded to `width` digits.
+struct HostRange {
+  int lo, hi;
+  size_t width;
+};
+
+// A piece of a host name: literal text, or (when `ranges` is not empty) one of a bracket's numbers.
+struct HostPart {
+  std::string literal;
+  std::vector<HostRange> ranges;
+  size_t count = 1;  // values this part takes
+
+  // The k-th value of a bracket part, k < count.
+  std::string value(size_t k) const {
+    for (const HostRange& r : ranges) {
+      const size_t n = static_cast<size_t>(r.hi - r.lo) + 1;
+      if (k >= n) {
+        k -= n;
+        continue;
+      }
+      std::string digits = std::to_string(r.lo + static_cast<int>(k));
+      if (digits.size() < r.width) digits.insert(0, r.width - digits.size(), '0');
+      return digits;
+    }
+    return {};
+  }
+};
+
+// Splits `list` at the commas outside brackets.
+std::vector<std::string> split_host_names(const std::string& list, const std::function<UsageError(const std::string&)>& bad) {
   std::vector<std::string> names;
   std::string current;
   int depth = 0;
@@ -343,60 +371,91 @@ std::vector<std::string> expand_hostlist(const std::string& list, const std::str
   }
   if (depth != 0) throw bad("'[' without ']'");
   names.push_back(current);
+  return names;
+}
 
-  std::vector<std::string> hosts;
-  for (const std::string& name : names) {
-    if (name.empty()) throw bad("an empty name");
-    // Hosts of this name so far: the cartesian product of its literal parts and bracket sets.
-    std::vector<std::string> partial{""};
-    size_t i = 0;
-    while (i < name.size()) {
-      if (name[i] != '[') {
-        const size_t open = name.find('[', i);
-        const std::string literal = name.substr(i, open == std::string::npos ? open : open - i);
-        for (std::string& p : partial) p += literal;
-        i = open == std::string::npos ? name.size() : open;
-        continue;
-      }
-      const size_t close = name.find(']', i);
-      const std::string body = name.substr(i + 1, close - i - 1);
-      i = close + 1;
-      std::vector<std::string> values;
-      size_t start = 0;
-      while (start <= body.size()) {
-        size_t end = body.find(',', start);
-        if (end == std::string::npos) end = body.size();
-        const std::string item = body.substr(start, end - start);
-        start = end + 1;
-        const size_t dash = item.find('-');
-        const std::string lo_text = item.substr(0, dash);
-        const std::string hi_text = dash == std::string::npos ? lo_text : item.substr(dash + 1);
-        int lo = 0, hi = 0;
-        if (!parse_int(lo_text, 0, kMaxInt, &lo) || !parse_int(hi_text, 0, kMaxInt, &hi)) {
-          throw bad("'[" + body + "]' holds '" + item + "', not a number or a range N-M");
-        }
-        if (hi < lo) throw bad("range " + item + " ends below its start");
-        if (static_cast<size_t>(hi - lo) >= kMaxHosts) throw bad("more than 1048576 hosts");
-        for (int v = lo; v <= hi; ++v) {
-          std::string digits = std::to_string(v);
-          if (digits.size() < lo_text.size()) {
-            digits.insert(0, lo_text.size() - digits.size(), '0');
-          }
-          values.push_back(std::move(digits));
-        }
-        if (values.size() > kMaxHosts) throw bad("more than 1048576 hosts");
-      }
-      if (partial.size() * values.size() + hosts.size() > kMaxHosts) {
-        throw bad("more than 1048576 hosts");
-      }
-      std::vector<std::string> next;
-      next.reserve(partial.size() * values.size());
-      for (const std::string& p : partial) {
-        for (const std::string& v : values) next.push_back(p + v);
-      }
-      partial = std::move(next);
+// The bracket `body` ("01-03,07") as a part, every item checked.
+HostPart parse_bracket(const std::string& body, const std::function<UsageError(const std::string&)>& bad) {
+  HostPart part;
+  part.count = 0;
+  size_t start = 0;
+  while (start <= body.size()) {
+    size_t end = body.find(',', start);
+    if (end == std::string::npos) end = body.size();
+    const std::string item = body.substr(start, end - start);
+    start = end + 1;
+    const size_t dash = item.find('-');
+    const std::string lo_text = item.substr(0, dash);
+    const std::string hi_text = dash == std::string::npos ? lo_text : item.substr(dash + 1);
+    int lo = 0, hi = 0;
+    if (!parse_int(lo_text, 0, kMaxInt, &lo) || !parse_int(hi_text, 0, kMaxInt, &hi)) {
+      throw bad("'[" + body + "]' holds '" + item + "', not a number or a range N-M");
     }
-    for (std::string& p : partial) hosts.push_back(std::move(p));
+    if (hi < lo) throw bad("range " + item + " ends below its start");
+    part.count += static_cast<size_t>(hi - lo) + 1;
+    if (part.count > kMaxHosts) throw bad("more than 1048576 hosts");
+    part.ranges.push_back(HostRange{lo, hi, lo_text.size()});
+  }
+  return part;
+}
+
+// One name of a host list ("r[1-2]n[0-1]") as its literal and bracket parts.
+std::vector<HostPart> parse_host_name(const std::string& name, const std::function<UsageError(const std::string&)>& bad) {
+  if (name.empty()) throw bad("an empty name");
+  std::vector<HostPart> parts;
+  size_t i = 0;
+  while (i < name.size()) {
+    if (name[i] != '[') {
+      const size_t open = name.find('[', i);
+      HostPart literal;
+      literal.literal = name.substr(i, open == std::string::npos ? open : open - i);
+      parts.push_back(std::move(literal));
+      i = open == std::string::npos ? name.size() : open;
+      continue;
+    }
+    const size_t close = name.find(']', i);
+    parts.push_back(parse_bracket(name.substr(i + 1, close - i - 1), bad));
+    i = close + 1;
+  }
+  return parts;
+}
+
+}  // namespace
+
+// The whole list is parsed and checked (and its hosts counted) before any host is made, so a
+// list's errors do not depend on `max_hosts`, and a short list of huge ranges costs no more than
+// the hosts asked for.
+std::vector<std::string> expand_hostlist(const std::string& list, const std::string& what, size_t max_hosts) {
+  const std::function<UsageError(const std::string&)> bad = [&](const std::string& why) {
+    return UsageError(what + "='" + list + "' is not a Slurm host list (" + why +
+                      "); expected names like node[01-03,07],login");
+  };
+  std::vector<std::vector<HostPart>> names;
+  size_t total = 0;
+  for (const std::string& name : split_host_names(list, bad)) {
+    names.push_back(parse_host_name(name, bad));
+    size_t product = 1;
+    for (const HostPart& p : names.back()) {
+      if (product * p.count > kMaxHosts) throw bad("more than 1048576 hosts");  // both <= 2^20: no overflow
+      product *= p.count;
+    }
+    total += product;
+    if (total > kMaxHosts) throw bad("more than 1048576 hosts");
+  }
+  std::vector<std::string> hosts;
+  hosts.reserve(std::min(total, max_hosts));
+  for (const std::vector<HostPart>& parts : names) {
+    // The name's hosts in order: an odometer over its bracket parts, the last one turning fastest.
+    std::vector<size_t> at(parts.size(), 0);
+    for (;;) {
+      if (hosts.size() >= max_hosts) return hosts;
+      std::string host;
+      for (size_t k = 0; k < parts.size(); ++k) host += parts[k].ranges.empty() ? parts[k].literal : parts[k].value(at[k]);
+      hosts.push_back(std::move(host));
+      size_t k = parts.size();
+      while (k > 0 && ++at[k - 1] == parts[k - 1].count) at[--k] = 0;
+      if (k == 0) break;
+    }
   }
   return hosts;
 }

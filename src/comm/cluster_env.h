@@ -58,8 +58,10 @@ ClusterEnv resolve_cluster_env(const Environment& env, int rank = -1, int world_
 // "r[1-2]n[0-1]" -> r1n0 r1n1 r2n0 r2n1.
 // A range keeps the zero padding of its lower bound. `what` names the variable for messages.
 // Throws UsageError for unbalanced or nested brackets, empty names or ranges, a range whose end is
-// below its start, or more than 1 << 20 hosts.
-std::vector<std::string> expand_hostlist(const std::string& list, const std::string& what);
+// below its start, or more than 1 << 20 hosts. Only the first `max_hosts` hosts are made (the
+// whole list is still checked): env:// needs the first host alone.
+std::vector<std::string> expand_hostlist(const std::string& list, const std::string& what,
+                                         size_t max_hosts = size_t{1} << 20);
 
 // Slurm's tasks-per-node syntax: "2(x3),1" -> 2 2 2 1. Throws UsageError naming `what`.
 std::vector<int> expand_tasks_per_node(const std::string& text, const std::string& what);

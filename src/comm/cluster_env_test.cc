@@ -6,6 +6,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <set>
 #include <string>
 #include <vector>
@@ -404,6 +405,24 @@ TEST(ClusterEnvTest, Hostlists) {
   expect_hostlist_error("node[5-3]", "range 5-3 ends below its start");
   expect_hostlist_error("n[0-1048576]", "more than 1048576 hosts");
   expect_hostlist_error("a[0-1023]b[0-1024]", "more than 1048576 hosts");
+}
+
+TEST(ClusterEnvTest, HostlistsMakeOnlyTheHostsAskedFor) {
+  EXPECT_THAT(expand_hostlist("r[1-2]n[0-1],x", "V", 3), ElementsAre("r1n0", "r1n1", "r2n0"));
+  EXPECT_THAT(expand_hostlist("a[5],b[2-3],c", "V", 1), ElementsAre("a5"));
+  EXPECT_THAT(expand_hostlist("n[7-9]", "V", 10), ElementsAre("n7", "n8", "n9"));
+  // A million hosts in 13 bytes: env:// takes the first without making the others.
+  const auto started = std::chrono::steady_clock::now();
+  for (int i = 0; i < 1000; ++i) ASSERT_THAT(expand_hostlist("n[0-1048575]", "V", 1), ElementsAre("n0"));
+  EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(2)) << "1000 first hosts of 2^20";
+  EXPECT_EQ(expand_hostlist("n[0-1048575]", "V").size(), size_t{1} << 20);
+  // The rest of the list is checked all the same.
+  EXPECT_THROW(expand_hostlist("a,b[3-1]", "V", 1), UsageError);
+  EXPECT_THROW(expand_hostlist("a,n[0-1048576]", "V", 1), UsageError);
+  EXPECT_THROW(expand_hostlist("a,", "V", 1), UsageError);
+  Environment env = {{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_JOB_ID", "7"},
+                     {"SLURM_STEP_ID", "0"}, {"SLURM_JOB_NODELIST", "n[0-1048575]"}};
+  EXPECT_EQ(resolve_cluster_env(env).master_addr, "n0");
 }
 
 TEST(ClusterEnvTest, TasksPerNode) {
