@@ -38,6 +38,7 @@
 #include "chorus/comm/random.h"
 #include "chorus/torch/distributed.h"
 #include "checkpoint_internal.h"
+#include "pickle_bounds.h"
 
 namespace chorus::train {
 namespace {
@@ -215,16 +216,21 @@ std::string join_some(const std::vector<std::string>& names) {
 // model.pt or rng.pt made it read past the end of the buffer (found by fuzz/checkpoint.cc; the
 // input is fuzz/corpus/checkpoint/regression-rng-pt-read-past-end). libtorch's istream adapter
 // checks every read and throws instead.
-torch::IValue pickle_load_checked(const std::string& bytes) {
+// Its data.pkl goes through check_pickle_bounds first (pickle_bounds.h).
+torch::IValue pickle_load_checked(const std::string& bytes, const std::string& what) {
   std::istringstream in(bytes);
   caffe2::serialize::PyTorchStreamReader archive(&in);
+  {
+    const auto [pickle, size] = archive.getRecord("data.pkl");
+    detail::check_pickle_bounds(static_cast<const char*>(pickle.get()), size, what);
+  }
   return torch::jit::readArchiveAndTensors("data", /*pickle_prefix=*/"", /*tensor_prefix=*/"",
                                            /*type_resolver=*/c10::nullopt, /*obj_loader=*/c10::nullopt,
                                            /*device=*/c10::nullopt, archive);
 }
 
 void load_model(const std::string& bytes, torch::nn::Module& model) {
-  torch::IValue value = pickle_load_checked(bytes);
+  torch::IValue value = pickle_load_checked(bytes, "model.pt");
   if (!value.isGenericDict()) throw CheckpointError("model.pt does not hold a dict of tensors");
   std::map<std::string, at::Tensor> saved;
   for (const auto& item : value.toGenericDict()) {
@@ -307,7 +313,7 @@ std::string rng_bytes(const std::vector<std::string>& states) {
 }
 
 void load_rng(const std::string& bytes, int rank) {
-  torch::IValue value = pickle_load_checked(bytes);
+  torch::IValue value = pickle_load_checked(bytes, "rng.pt");
   if (!value.isTensorList()) throw CheckpointError("rng.pt does not hold a list of generator states");
   auto list = value.toTensorList();
   if (list.size() == 0) return;

@@ -1,0 +1,77 @@
+// check_pickle_bounds on hand-made pickles: what libtorch's pickler writes passes; claims beyond the
+// bytes left, memo indices past the entries stored, truncation and a missing STOP are refused.
+// (checkpoint_test round-trips real model.pt and rng.pt files through it.)
+
+#include "pickle_bounds.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "chorus/train/checkpoint.h"
+
+namespace chorus::train::detail {
+namespace {
+
+using namespace std::string_literals;
+
+std::string u32(uint32_t v) {
+  std::string s(4, '\0');
+  for (int i = 0; i < 4; ++i) s[static_cast<size_t>(i)] = static_cast<char>((v >> (8 * i)) & 0xff);
+  return s;
+}
+
+void check(const std::string& pickle) { check_pickle_bounds(pickle.data(), pickle.size(), "model.pt"); }
+
+std::string refusal(const std::string& pickle) {
+  try {
+    check(pickle);
+  } catch (const CheckpointError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// {"fc.weight": <persistent storage>} as libtorch writes it, reduced to the opcodes that matter.
+const std::string kGood = "\x80\x02}q\x00(X"s + u32(9) + "fc.weightq\x01"s +
+                          "ctorch._utils\n_rebuild_tensor_v2\nq\x02((X"s + u32(7) + "storageq\x03"s +
+                          "ctorch\nFloatStorage\nq\x04X"s + u32(1) + "0q\x05X"s + u32(3) + "cpuq\x06K\x06tq\x07"s +
+                          "QK\x00K\x02K\x03\x86q\x08K\x03K\x01\x86q\x09\x89h\x00tq\x0aRq\x0bu."s;
+
+TEST(PickleBounds, WhatAPicklerWritesPasses) {
+  EXPECT_NO_THROW(check(kGood));
+  EXPECT_NO_THROW(check("\x80\x02]q\x00(K\x01M\x00\x01J"s + u32(7) + "G" + std::string(8, '\0') + "e."));
+  EXPECT_NO_THROW(check("\x80\x04\x95"s + std::string(8, '\0') + "\x8c\x01"s + "a\x94h\x00."s));
+}
+
+TEST(PickleBounds, AStringLongerThanThePickleIsRefusedBeforeItIsRead) {
+  // The fuzzer's case: BINUNICODE claiming 3.9 GB in a few bytes.
+  const std::string why = refusal("\x80\x02X" + u32(0xE8D4A510u) + "abc.");
+  EXPECT_NE(why.find("model.pt is damaged"), std::string::npos) << why;
+  EXPECT_NE(why.find("claims 3906250000 bytes where 4 are left"), std::string::npos) << why;
+  EXPECT_FALSE(refusal("\x80\x02" "B" + u32(100) + "short.").empty());
+  EXPECT_FALSE(refusal(std::string("\x80\x02" "\x8e") + "\xff\xff\xff\xff\xff\xff\xff\x7f" + ".").empty());
+  EXPECT_FALSE(refusal("\x80\x02\x8c\x05" "abc").empty());
+}
+
+TEST(PickleBounds, MemoIndicesFollowTheEntriesStored) {
+  EXPECT_NE(refusal("\x80\x02N" "r" + u32(0xFFFFFFF0u) + ".").find("stores memo entry 4294967280 after 0"),
+            std::string::npos);
+  EXPECT_NE(refusal("\x80\x02Nq\x00h\x01."s).find("reads memo entry 1 of 1"), std::string::npos);
+  EXPECT_NO_THROW(check("\x80\x02Nq\x00q\x00h\x00."s));  // storing an entry again is allowed
+}
+
+TEST(PickleBounds, TruncatedArgumentsAndAMissingStopAreRefused) {
+  EXPECT_FALSE(refusal("\x80\x02J\x01\x02").empty());
+  EXPECT_FALSE(refusal("\x80\x02G\x00\x00").empty());
+  EXPECT_FALSE(refusal("\x80\x02" "ctorch\nFloat").empty());
+  EXPECT_NE(refusal("\x80\x02N").find("ends without STOP"), std::string::npos);
+  EXPECT_FALSE(refusal("").empty());
+}
+
+TEST(PickleBounds, AnOpcodeItDoesNotKnowLeavesTheRestToTheUnpickler) {
+  EXPECT_NO_THROW(check("\x80\x02\xff" "X" + u32(0xFFFFFFFFu)));
+}
+
+}  // namespace
+}  // namespace chorus::train::detail
