@@ -1,5 +1,7 @@
-// Internal: the TcpStore's request format and the server's parser of it (docs/store.md), apart from
-// the server's sockets so that fuzz/store_request.cc can feed it bytes.
+// Internal: the TcpStore's request format, the server's parser of it (docs/store.md), apart from
+// the server's sockets so that fuzz/store_request.cc can feed it bytes, and the encoding and the
+// messages that the client (tcp_store_client.cc) and the server (tcp_store_server.cc,
+// tcp_store_requests.cc) share. Defined in store_protocol.cc.
 //
 // request: u8 command, then its fields; reply: u8 status, then the command's fields. Strings are u32
 // length + bytes, numbers i64, lists u32 count + strings; all little-endian.
@@ -8,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace chorus::store_protocol {
@@ -46,5 +49,57 @@ enum class Parse { kNeedMore, kOk, kBad };
 // allocated for them.
 Parse parse_request(const char* data, size_t n, uint32_t max_value, Request* req, size_t* consumed,
                     std::string* error);
+
+// Builds a request or a reply: little-endian numbers, u32-length-prefixed strings and lists.
+class Writer {
+ public:
+  Writer& u8(uint8_t v) {
+    out_.push_back(static_cast<char>(v));
+    return *this;
+  }
+  Writer& u32(uint32_t v) {
+    for (int i = 0; i < 4; ++i) out_.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+    return *this;
+  }
+  Writer& i64(int64_t v) {
+    uint64_t u = static_cast<uint64_t>(v);
+    for (int i = 0; i < 8; ++i) out_.push_back(static_cast<char>((u >> (8 * i)) & 0xff));
+    return *this;
+  }
+  Writer& str(const std::string& s) {
+    u32(static_cast<uint32_t>(s.size()));
+    out_ += s;
+    return *this;
+  }
+  Writer& keys(const std::vector<std::string>& keys) {
+    u32(static_cast<uint32_t>(keys.size()));
+    for (const auto& k : keys) str(k);
+    return *this;
+  }
+  std::string& bytes() { return out_; }
+  std::string take() { return std::move(out_); }
+
+ private:
+  std::string out_;
+};
+
+inline uint32_t get_u32(const char* p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(static_cast<uint8_t>(p[i])) << (8 * i);
+  return v;
+}
+inline int64_t get_i64(const char* p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v |= static_cast<uint64_t>(static_cast<uint8_t>(p[i])) << (8 * i);
+  return static_cast<int64_t>(v);
+}
+
+// The message of a value over max_value_bytes, naming `who` (the client or the server), the key,
+// its size and the `option` that sets the limit.
+std::string value_too_large(const std::string& who, const std::string& key, uint64_t size, uint64_t limit,
+                            const char* option);
+
+// "host:port", or "[host]:port" for an IPv6 address: how the store and its server name themselves.
+std::string host_port(const std::string& host, int port);
 
 }  // namespace chorus::store_protocol
