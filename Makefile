@@ -12,7 +12,7 @@ FUZZ_SECONDS ?= 60
 FUZZ_TARGETS ?= store_request handshake message_header init_url cluster_env idx idx_example image s3_xml csv \
                 checkpoint pickle
 
-.PHONY: all deps configure build run test stress bench clean fuzz fuzz-build fuzz-ci sanitize
+.PHONY: all deps configure build run test stress bench clean fuzz fuzz-build fuzz-ci sanitize ci-sanitize
 
 all: build
 
@@ -65,6 +65,31 @@ fuzz: fuzz-build
 # A short smoke run of every target (10 s each, about 2 minutes plus the build).
 fuzz-ci:
 	$(MAKE) fuzz FUZZ_SECONDS=10
+
+# CI's sanitizer stage (.ci/run), sized to CI's time budget: in one clang build, the comm library
+# and its core tests under ASan+UBSan (with libFuzzer's coverage, so the same objects serve both)
+# and a FUZZ_CI_SECONDS run of every fuzz target without libtorch; then the threaded tests (the
+# shared-memory ring's two threads, the store's server thread, the process group's worker) under
+# TSan. `make sanitize` runs the whole torch-less suite; `make fuzz` runs every target for longer.
+CI_ASAN_DIR ?= build-ci-asan
+CI_TSAN_DIR ?= build-ci-tsan
+CI_ASAN_TESTS := shm_ring_test store_test transport_errors_test supervisor_test cluster_env_test plan_test log_test
+CI_TSAN_TESTS := shm_ring_test store_test transport_errors_test
+CI_FUZZ_TARGETS := store_request handshake message_header init_url cluster_env idx image s3_xml
+FUZZ_CI_SECONDS ?= 10
+space := $(empty) $(empty)
+SANITIZER_ENV = UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  TSAN_OPTIONS="halt_on_error=1 suppressions=$(CURDIR)/tests/sanitizers/tsan.supp"
+ci-sanitize: deps
+	CC=clang CXX=clang++ cmake -S . -B $(CI_ASAN_DIR) -G Ninja -DCMAKE_BUILD_TYPE=Release -DCHORUS_WITH_TORCH=OFF \
+	  -DCHORUS_BUILD_FUZZERS=ON -DCHORUS_BUILD_BENCHMARKS=OFF -DCHORUS_BUILD_EXAMPLES=OFF -DCHORUS_INSTALL=OFF
+	cmake --build $(CI_ASAN_DIR) --target $(CI_ASAN_TESTS) $(addprefix fuzz_,$(CI_FUZZ_TARGETS))
+	cd $(CI_ASAN_DIR) && $(SANITIZER_ENV) ctest --output-on-failure --timeout 600 -R '^($(subst $(space),|,$(CI_ASAN_TESTS)))$$'
+	FUZZ_SECONDS=$(FUZZ_CI_SECONDS) scripts/run-fuzzers $(CI_ASAN_DIR) $(CI_FUZZ_TARGETS)
+	cmake -S . -B $(CI_TSAN_DIR) -G Ninja -DCMAKE_BUILD_TYPE=Release -DCHORUS_WITH_TORCH=OFF -DCHORUS_SANITIZE=thread \
+	  -DCHORUS_BUILD_BENCHMARKS=OFF -DCHORUS_BUILD_EXAMPLES=OFF -DCHORUS_INSTALL=OFF
+	cmake --build $(CI_TSAN_DIR) --target $(CI_TSAN_TESTS)
+	cd $(CI_TSAN_DIR) && $(SANITIZER_ENV) ctest --output-on-failure --timeout 600 -R '^($(subst $(space),|,$(CI_TSAN_TESTS)))$$'
 
 # The parts without libtorch (comm, launch, report, the S3 client, images, the chorus tool) and
 # their tests under a sanitizer: SANITIZE=address,undefined (the default) or SANITIZE=thread, in a
