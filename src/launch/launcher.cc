@@ -354,8 +354,7 @@ class Agent {
     ::unlink(w.error_file.c_str());
     start_worker(w, how);
   }
-  Failure run_attempt(int attempt) {
-    wait_for_nodes(attempt);
+  std::vector<Worker> make_workers() const {
     std::vector<Worker> ws(static_cast<size_t>(nproc_));
     for (int i = 0; i < nproc_; ++i) {
       Worker& w = ws[static_cast<size_t>(i)];
@@ -364,6 +363,110 @@ class Agent {
       w.error_file = scratch_ + "/error_rank" + std::to_string(w.rank) + ".json";
       if (!o_.log_dir.empty()) w.log_path = o_.log_dir + "/rank_" + std::to_string(w.rank) + ".log";
     }
+    return ws;
+  }
+
+  // Waits for a signal, a worker's exit or output, or the supervisor's next deadline (100 ms at most).
+  static void wait_for_events(const std::vector<Worker>& ws, const Supervisor& supervisor) {
+    std::vector<pollfd> pfds;
+    pfds.push_back({g_signal_pipe[0], POLLIN, 0});
+    for (const auto& w : ws) {
+      if (!w.exited && w.pidfd >= 0) pfds.push_back({w.pidfd, POLLIN, 0});
+      if (w.out_fd >= 0) pfds.push_back({w.out_fd, POLLIN, 0});
+    }
+    ::poll(pfds.data(), pfds.size(), std::min(ms_until(supervisor.next_wakeup()), 100));
+  }
+
+  // Passes the signals the launcher received on to the workers; any but SIGUSR1/2 stops the job.
+  void forward_signals(std::vector<Worker>& ws, Supervisor& supervisor) {
+    unsigned char sig = 0;
+    while (::read(g_signal_pipe[0], &sig, 1) == 1) {
+      signal_all(ws, sig);
+      if (sig != SIGUSR1 && sig != SIGUSR2 && stop_signal_ == 0) {
+        stop_signal_ = sig;
+        supervisor.on_stop(Clock::now());
+      }
+    }
+  }
+
+  // Copies the workers' output, reaps those that exited and reports each to the supervisor;
+  // returns how many it reaped.
+  static size_t reap_exited(std::vector<Worker>& ws, Supervisor& supervisor) {
+    size_t reaped = 0;
+    for (auto& w : ws) {
+      pump_output(w, false);
+      if (w.exited) continue;
+      int status = 0;
+      if (::waitpid(w.pid, &status, WNOHANG) != w.pid) continue;
+      w.exited = true;
+      w.status = status;
+      w.exit_seen = Clock::now();
+      ++reaped;
+      if (w.pidfd >= 0) {
+        ::close(w.pidfd);
+        w.pidfd = -1;
+      }
+      // The record is renamed into place before the worker exits: complete when it is reaped.
+      const ErrorRecord rec = read_error_record(w.error_file);
+      ExitReport r;
+      r.rank = w.rank;
+      r.signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+      r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      r.recorded = rec.present;
+      r.relayed = rec.relayed;
+      r.recorded_at = rec.time;
+      supervisor.on_exit(r, w.exit_seen);
+    }
+    return reaped;
+  }
+
+  // A worker writes its error record before it exits, and its teardown may take longer than the
+  // failure window: a record of a worker still running counts too. (Read only while a failure is
+  // being decided: no file reads per worker per poll in a healthy job.)
+  static void read_running_records(std::vector<Worker>& ws, Supervisor& supervisor) {
+    for (auto& w : ws) {
+      if (w.exited || w.record_seen) continue;
+      const ErrorRecord rec = read_error_record(w.error_file);
+      if (!rec.present) continue;
+      w.record_seen = true;
+      ExitReport r;
+      r.rank = w.rank;
+      r.recorded = true;
+      r.relayed = rec.relayed;
+      r.recorded_at = rec.time;
+      supervisor.on_record(r, Clock::now());
+    }
+  }
+
+  // Whether another node has reported this attempt's failure under `failed_key`.
+  void check_other_nodes(const std::string& failed_key, Failure* failure, Supervisor& supervisor) {
+    try {
+      if (store_->check({failed_key})) {
+        failure->happened = true;
+        failure->report = store_->get(failed_key);
+        supervisor.on_remote_failure(Clock::now());
+      }
+    } catch (const Error&) {
+      // The store is gone (node 0 finished): local workers go on by themselves.
+    }
+  }
+
+  // Decided here: name the root cause, and tell the other nodes.
+  void announce_failure(const std::vector<Worker>& ws, const Supervisor& supervisor, const std::string& failed_key,
+                        Failure* failure) {
+    failure->happened = true;
+    failure->report = describe_failure(ws, ws[static_cast<size_t>(supervisor.root_cause_rank() - offset_)]);
+    if (o_.nnodes > 1) {
+      try {
+        store_->set(failed_key, "node " + std::to_string(o_.node_rank) + ": " + failure->report);
+      } catch (const Error&) {
+      }
+    }
+  }
+
+  Failure run_attempt(int attempt) {
+    wait_for_nodes(attempt);
+    std::vector<Worker> ws = make_workers();
     for (auto& w : ws) start(w, attempt);
 
     const std::string failed_key = "launch/attempt" + std::to_string(attempt) + "/failed";
@@ -374,87 +477,16 @@ class Agent {
     auto next_store_check = Clock::now();
     size_t alive = ws.size();
     while (alive > 0) {
-      std::vector<pollfd> pfds;
-      pfds.push_back({g_signal_pipe[0], POLLIN, 0});
-      for (auto& w : ws) {
-        if (!w.exited && w.pidfd >= 0) pfds.push_back({w.pidfd, POLLIN, 0});
-        if (w.out_fd >= 0) pfds.push_back({w.out_fd, POLLIN, 0});
-      }
-      ::poll(pfds.data(), pfds.size(), std::min(ms_until(supervisor.next_wakeup()), 100));
-
-      unsigned char sig = 0;
-      while (::read(g_signal_pipe[0], &sig, 1) == 1) {
-        signal_all(ws, sig);
-        if (sig != SIGUSR1 && sig != SIGUSR2 && stop_signal_ == 0) {
-          stop_signal_ = sig;
-          supervisor.on_stop(Clock::now());
-        }
-      }
-      for (auto& w : ws) {
-        pump_output(w, false);
-        if (w.exited) continue;
-        int status = 0;
-        if (::waitpid(w.pid, &status, WNOHANG) != w.pid) continue;
-        w.exited = true;
-        w.status = status;
-        w.exit_seen = Clock::now();
-        --alive;
-        if (w.pidfd >= 0) {
-          ::close(w.pidfd);
-          w.pidfd = -1;
-        }
-        // The record is renamed into place before the worker exits: complete when it is reaped.
-        const ErrorRecord rec = read_error_record(w.error_file);
-        ExitReport r;
-        r.rank = w.rank;
-        r.signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
-        r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-        r.recorded = rec.present;
-        r.relayed = rec.relayed;
-        r.recorded_at = rec.time;
-        supervisor.on_exit(r, w.exit_seen);
-      }
-      if (supervisor.deciding()) {
-        // A worker writes its error record before it exits, and its teardown may take longer than
-        // the failure window: a record of a worker still running counts too. (Read only while a
-        // failure is being decided: no file reads per worker per poll in a healthy job.)
-        for (auto& w : ws) {
-          if (w.exited || w.record_seen) continue;
-          const ErrorRecord rec = read_error_record(w.error_file);
-          if (!rec.present) continue;
-          w.record_seen = true;
-          ExitReport r;
-          r.rank = w.rank;
-          r.recorded = true;
-          r.relayed = rec.relayed;
-          r.recorded_at = rec.time;
-          supervisor.on_record(r, Clock::now());
-        }
-      }
+      wait_for_events(ws, supervisor);
+      forward_signals(ws, supervisor);
+      alive -= reap_exited(ws, supervisor);
+      if (supervisor.deciding()) read_running_records(ws, supervisor);
       if (o_.nnodes > 1 && !supervisor.failure_decided() && Clock::now() >= next_store_check) {
         next_store_check = Clock::now() + std::chrono::milliseconds(100);
-        try {
-          if (store_->check({failed_key})) {
-            failure.happened = true;
-            failure.report = store_->get(failed_key);
-            supervisor.on_remote_failure(Clock::now());
-          }
-        } catch (const Error&) {
-          // The store is gone (node 0 finished): local workers go on by themselves.
-        }
+        check_other_nodes(failed_key, &failure, supervisor);
       }
       const Supervisor::Send send = supervisor.step(Clock::now(), alive);
-      if (supervisor.failure_decided() && !failure.happened) {
-        // Decided here: name the root cause, and tell the other nodes.
-        failure.happened = true;
-        failure.report = describe_failure(ws, ws[static_cast<size_t>(supervisor.root_cause_rank() - offset_)]);
-        if (o_.nnodes > 1) {
-          try {
-            store_->set(failed_key, "node " + std::to_string(o_.node_rank) + ": " + failure.report);
-          } catch (const Error&) {
-          }
-        }
-      }
+      if (supervisor.failure_decided() && !failure.happened) announce_failure(ws, supervisor, failed_key, &failure);
       if (send == Supervisor::Send::kTerminate) signal_all(ws, SIGTERM);
       if (send == Supervisor::Send::kKill) signal_all(ws, SIGKILL);
     }
