@@ -188,7 +188,10 @@ nlohmann::json ddp_json(const ddp::Options& o) {
 
 Accelerator::Accelerator(AcceleratorOptions options)
     : options_(checked(std::move(options))), timing_(std::make_unique<Timing>()), records_(std::make_unique<Records>()) {
-  if (options_.tune_malloc) tune_malloc_for_training();
+  // The environment, read once into a value that the decisions below take (rendezvous, inside
+  // init_process_group, and restart_count read their own variables).
+  const Environment env = current_environment();
+  if (options_.tune_malloc) tune_malloc_for_training(env);
   if (options_.group) {
     group_ = options_.group;
   } else {
@@ -232,8 +235,8 @@ Accelerator::Accelerator(AcceleratorOptions options)
       throw UsageError(who() + ": " + e.what());
     }
   }
-  records_->progress = detail::Progress(rank_ == 0 && options_.progress, stdout_rewrites_in_place(),
-                                        options_.log_every);
+  records_->progress = detail::Progress(rank_ == 0 && options_.progress,
+                                        stdout_rewrites_in_place(env, ::isatty(1) != 0), options_.log_every);
   watch_signals({SIGTERM, SIGUSR1, SIGUSR2});
 
   if (rank_ == 0) {

@@ -1,7 +1,8 @@
 // Accelerator: accumulation equals the large-batch step (and communicates only on sync steps),
-// bf16 autocast within tolerance of fp32, the fp16 error, malloc tuning, exact gather_for_metrics
-// on uneven shards, reduce, the prepare errors, main_process_first ordering and clip_grad_norm_.
-// State, resume, signals and records are in accelerator_state_test.cc.
+// bf16 autocast within tolerance of fp32, the fp16 error, malloc tuning and when the progress line
+// is rewritten in place (decided from the environment), exact gather_for_metrics on uneven shards,
+// reduce, the prepare errors, main_process_first ordering and clip_grad_norm_. State, resume,
+// signals and records are in accelerator_state_test.cc.
 //
 // Libtorch work runs in forked ranks (run_ranks) only, so the gtest process can fork safely.
 #include "chorus/train/accelerator.h"
@@ -249,6 +250,31 @@ TEST(TuneMalloc, LargeBlocksStayInTheHeapUnlessTheUserSaysOtherwise) {
     std::free(block);
     require(::mallinfo2().arena >= holding.arena, "freeing the block gave the heap back to the kernel");
   }), "");
+}
+
+// The same decision from an Environment value (no setenv): the user's MALLOC_* settings, even
+// empty, or CHORUS_MALLOC_TUNING=0 leave malloc alone, and nothing is changed then; any other
+// CHORUS_MALLOC_TUNING applies it (in a forked rank, as it changes the process's malloc).
+TEST(TuneMalloc, TheEnvironmentValueDecides) {
+  EXPECT_FALSE(tune_malloc_for_training(Environment{{"MALLOC_MMAP_THRESHOLD_", "65536"}}));
+  EXPECT_FALSE(tune_malloc_for_training(Environment{{"MALLOC_TRIM_THRESHOLD_", ""}}));
+  EXPECT_FALSE(tune_malloc_for_training(Environment{{"CHORUS_MALLOC_TUNING", "0"}}));
+  EXPECT_EQ(testing::run_ranks(1, [](int, int, std::shared_ptr<Store>) {
+    require(tune_malloc_for_training(Environment{{"CHORUS_MALLOC_TUNING", "1"}}), "not applied");
+  }), "");
+}
+
+// Progress lines rewritten in place: only on a terminal, not with TERM=dumb, and not under a
+// launcher that relays the output (its variable set, even to "").
+TEST(Progress, RewritesInPlaceOnlyOnATerminalNoLauncherRelays) {
+  EXPECT_TRUE(stdout_rewrites_in_place(Environment{{"TERM", "xterm-256color"}}, true));
+  EXPECT_TRUE(stdout_rewrites_in_place(Environment{}, true));
+  EXPECT_FALSE(stdout_rewrites_in_place(Environment{{"TERM", "xterm"}}, false));
+  EXPECT_FALSE(stdout_rewrites_in_place(Environment{{"TERM", "dumb"}}, true));
+  for (const char* relay : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_STEP_ID", "SLURM_STEPID"}) {
+    EXPECT_FALSE(stdout_rewrites_in_place(Environment{{"TERM", "xterm"}, {relay, "2"}}, true)) << relay;
+    EXPECT_FALSE(stdout_rewrites_in_place(Environment{{relay, ""}}, true)) << relay << " set to \"\"";
+  }
 }
 
 TEST(MixedPrecision, BF16LossStaysWithinToleranceOfFP32) {

@@ -42,17 +42,19 @@ void set_num_threads(int threads) {
   if (auto f = reinterpret_cast<SetThreads>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) f(threads);
 }
 
-bool tune_malloc_for_training() {
+bool tune_malloc_for_training(const Environment& env) {
   for (const char* name : {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"}) {
-    if (std::getenv(name) != nullptr) return false;
+    if (env.count(name) != 0) return false;
   }
-  if (const char* v = std::getenv("CHORUS_MALLOC_TUNING"); v != nullptr && std::string(v) == "0") return false;
+  if (auto it = env.find("CHORUS_MALLOC_TUNING"); it != env.end() && it->second == "0") return false;
   // 32 MiB is the largest mmap threshold glibc accepts (HEAP_MAX_SIZE / 2 on 64-bit); setting it
   // also stops glibc's own adjustment of it.
   const bool mmap_set = ::mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1;
   const bool trim_set = ::mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1;
   return mmap_set && trim_set;
 }
+
+bool tune_malloc_for_training() { return tune_malloc_for_training(current_environment()); }
 
 int run_job(const char* program, int nproc, const std::function<void()>& train) {
   if (std::string rank; launched_job(&rank)) {
