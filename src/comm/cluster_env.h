@@ -18,14 +18,12 @@
 #pragma once
 
 #include <cstdint>
-#include <map>
 #include <string>
 #include <vector>
 
-namespace chorus {
+#include "chorus/comm/environment.h"
 
-// Variable name -> value. An empty value counts as unset, as an empty RANK= does in a shell.
-using Environment = std::map<std::string, std::string>;
+namespace chorus {
 
 struct ClusterEnv {
   std::string source;  // "env", "openmpi" or "slurm"
@@ -48,7 +46,8 @@ struct ClusterEnv {
   std::string describe() const;
 };
 
-// The job's layout from `env`. rank / world_size >= 0 come from the caller (rendezvous arguments
+// The job's layout from `env` (an empty value counts as unset, as an empty RANK= does in a shell).
+// rank / world_size >= 0 come from the caller (rendezvous arguments
 // or URL parameters) and win over the environment; then no variable is needed for them.
 // Throws UsageError naming the variable that is missing or malformed, and what to set.
 ClusterEnv resolve_cluster_env(const Environment& env, int rank = -1, int world_size = -1);

@@ -17,6 +17,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "chorus/comm/environment.h"
 #include "chorus/comm/error.h"
 #include "chorus/comm/log.h"
 #include "chorus/comm/spawn.h"
@@ -115,7 +116,8 @@ bool env_flag(const char* name) {
   return s == "1" || s == "true" || s == "yes" || s == "on";
 }
 
-// Every variable of this process's environment (resolve_cluster_env treats "" as unset).
+}  // namespace
+
 Environment current_environment() {
   Environment out;
   for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
@@ -128,8 +130,6 @@ Environment current_environment() {
 
 // The rank or world size from the explicit argument, else the URL's parameter; -1 when neither
 // gives it (env:// then asks the environment).
-}  // namespace
-
 int rendezvous_url::arg_or_param(const Url& url, int arg, const char* param, int lo) {
   if (arg >= 0) return arg;
   auto it = url.query.find(param);

@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "chorus/comm/environment.h"
 #include "chorus/comm/error.h"
 #include "chorus/comm/signals.h"
 #include "chorus/comm/spawn.h"
@@ -198,6 +199,20 @@ TEST_F(RendezvousTest, LaunchedJobFollowsEachLaunchersVariables) {
   EXPECT_EQ(rank, "2");
   ::setenv("SLURM_STEP_NUM_TASKS", "1", 1);  // a one-task step, whatever the job's task count
   EXPECT_FALSE(launched_job());
+}
+
+// current_environment(): the snapshot the library's environment-driven decisions default to. It
+// holds what setenv set, a variable set to "" as "", and nothing that was unset.
+TEST_F(RendezvousTest, CurrentEnvironmentIsASnapshotOfTheProcesssVariables) {
+  ::setenv("CHORUS_STORE_PREFIX", "attempt-3/", 1);
+  ::setenv("CHORUS_TRANSPORT", "", 1);
+  const Environment env = current_environment();
+  ::setenv("CHORUS_STORE_PREFIX", "later", 1);  // a snapshot: later changes are not in it
+  ASSERT_EQ(env.count("CHORUS_STORE_PREFIX"), 1u);
+  EXPECT_EQ(env.at("CHORUS_STORE_PREFIX"), "attempt-3/");
+  ASSERT_EQ(env.count("CHORUS_TRANSPORT"), 1u);
+  EXPECT_EQ(env.at("CHORUS_TRANSPORT"), "");
+  EXPECT_EQ(env.count("CHORUS_ERROR_FILE"), 0u);
 }
 
 // The one HOST:PORT parser of rendezvous URLs, chorus run's endpoints and transport addresses.

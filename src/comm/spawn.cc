@@ -107,41 +107,32 @@ void drain(Child& c) {
   ::_exit(code);
 }
 
-}  // namespace
 
-void spawn(int nprocs, const std::function<void(int rank, int world_size)>& fn,
-           const SpawnOptions& options) {
-  if (nprocs < 1) throw UsageError("spawn: nprocs must be >= 1, got " + std::to_string(nprocs));
-  TcpStoreServerOptions so;
-  so.host = "127.0.0.1";
-  so.port = 0;
-  so.token = options.token.empty() ? random_token() : options.token;
-  // Listening, but no server thread until every child is forked: a child forked while that thread
-  // held a lock (OpenSSL's random generator mid-handshake with an earlier child) would hang on it.
-  so.start_serving = false;
-  TcpStoreServer server(so);
-
-  std::fflush(nullptr);  // children must not re-emit the parent's buffered output
-  std::vector<Child> children(static_cast<size_t>(nprocs));
-  auto kill_all = [&](int sig) {
-    for (auto& c : children) {
-      if (c.pid > 0 && !c.exited) {
-        ::kill(c.pid, sig);
-        c.ended = true;
-      }
+void kill_all(std::vector<Child>& children, int sig) {
+  for (auto& c : children) {
+    if (c.pid > 0 && !c.exited) {
+      ::kill(c.pid, sig);
+      c.ended = true;
     }
-  };
+  }
+}
+
+// Forks the nprocs children, each running fn as one rank against the store at `port`. When a
+// pipe or a fork fails, the children started so far are killed and an Error is thrown.
+std::vector<Child> fork_children(int nprocs, int port, const std::string& token,
+                                 const std::function<void(int rank, int world_size)>& fn) {
+  std::vector<Child> children(static_cast<size_t>(nprocs));
   for (int r = 0; r < nprocs; ++r) {
     int fds[2];
     if (::pipe2(fds, O_CLOEXEC) != 0) {
-      kill_all(SIGKILL);
+      kill_all(children, SIGKILL);
       throw Error(std::string("spawn: pipe failed: ") + std::strerror(errno));
     }
     pid_t pid = ::fork();
     if (pid < 0) {
       ::close(fds[0]);
       ::close(fds[1]);
-      kill_all(SIGKILL);
+      kill_all(children, SIGKILL);
       for (auto& c : children) {
         if (c.pid > 0) ::waitpid(c.pid, nullptr, 0);
       }
@@ -149,7 +140,7 @@ void spawn(int nprocs, const std::function<void(int rank, int world_size)>& fn,
     }
     if (pid == 0) {
       ::close(fds[0]);
-      run_child(r, nprocs, server.port(), so.token, fds[1], fn);
+      run_child(r, nprocs, port, token, fds[1], fn);
     }
     ::close(fds[1]);
     ::fcntl(fds[0], F_SETFL, ::fcntl(fds[0], F_GETFL) | O_NONBLOCK);  // drain() must never block
@@ -159,51 +150,40 @@ void spawn(int nprocs, const std::function<void(int rank, int world_size)>& fn,
     c.msg_fd = fds[0];
     c.pidfd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
   }
-  server.start();  // children that connected already wait in the listen backlog
+  return children;
+}
 
-  Supervisor::Options policy;
-  policy.grace_period = options.grace_period;
-  policy.timeout = options.timeout;
-  Supervisor supervisor(policy, Clock::now());
-  size_t alive = children.size();
-
-  while (alive > 0) {
-    std::vector<pollfd> pfds;
-    for (auto& c : children) {
-      if (c.msg_fd >= 0) pfds.push_back({c.msg_fd, POLLIN, 0});
-      if (!c.exited && c.pidfd >= 0) pfds.push_back({c.pidfd, POLLIN, 0});
-    }
-    const int wait_ms = std::min(std::max(net::ms_until(supervisor.next_wakeup()), 0), 100);  // 100 ms: kernels without pidfd
-    ::poll(pfds.data(), pfds.size(), wait_ms);
-    for (auto& c : children) {
-      drain(c);  // a child writes its message before it exits: read it before reaping
-      if (c.exited) continue;
-      int status = 0;
-      if (::waitpid(c.pid, &status, WNOHANG) != c.pid) continue;
-      c.exited = true;
-      c.status = status;
-      --alive;
-      if (c.pidfd >= 0) {
-        ::close(c.pidfd);
-        c.pidfd = -1;
-      }
-      ExitReport r;
-      r.rank = c.rank;
-      r.signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
-      r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-      r.recorded = !c.message.empty();
-      r.relayed = c.relayed();
-      r.recorded_at = std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
-      supervisor.on_exit(r, Clock::now());
-    }
-    switch (supervisor.step(Clock::now(), alive)) {
-      case Supervisor::Send::kTerminate: kill_all(SIGTERM); break;
-      case Supervisor::Send::kKill: kill_all(SIGKILL); break;
-      case Supervisor::Send::kNothing: break;
-    }
-  }
+// Reaps the children that have exited (reading their messages first) and reports each to the
+// supervisor; returns how many it reaped.
+size_t reap_exited(std::vector<Child>& children, Supervisor& supervisor) {
+  size_t reaped = 0;
   for (auto& c : children) {
-    // Every child has exited, so its pipe is at end of file once its last bytes are read.
+    drain(c);  // a child writes its message before it exits: read it before reaping
+    if (c.exited) continue;
+    int status = 0;
+    if (::waitpid(c.pid, &status, WNOHANG) != c.pid) continue;
+    c.exited = true;
+    c.status = status;
+    ++reaped;
+    if (c.pidfd >= 0) {
+      ::close(c.pidfd);
+      c.pidfd = -1;
+    }
+    ExitReport r;
+    r.rank = c.rank;
+    r.signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+    r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    r.recorded = !c.message.empty();
+    r.relayed = c.relayed();
+    r.recorded_at = std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+    supervisor.on_exit(r, Clock::now());
+  }
+  return reaped;
+}
+
+// Every child has exited, so its pipe is at end of file once its last bytes are read.
+void drain_to_end(std::vector<Child>& children) {
+  for (auto& c : children) {
     while (c.msg_fd >= 0) {
       pollfd p{c.msg_fd, POLLIN, 0};
       ::poll(&p, 1, 100);
@@ -215,16 +195,16 @@ void spawn(int nprocs, const std::function<void(int rank, int world_size)>& fn,
       c.msg_fd = -1;
     }
   }
+}
 
-  const bool timed_out = supervisor.timed_out();
-  const int cause = supervisor.root_cause_rank();
-  if (!timed_out && cause < 0) return;
-
+// The SpawnError for a job that timed out, or whose rank `cause` failed first.
+[[noreturn]] void throw_failure(const std::vector<Child>& children, std::chrono::milliseconds timeout,
+                                bool timed_out, int cause) {
   std::ostringstream out;
   SpawnFailure first;
   if (timed_out) {
-    out << "spawn: job of " << nprocs << " processes did not finish within "
-        << net::format_duration(options.timeout) << "; all were ended";
+    out << "spawn: job of " << children.size() << " processes did not finish within "
+        << net::format_duration(timeout) << "; all were ended";
     first.rank = -1;
   } else {
     const Child& c = children[static_cast<size_t>(cause)];
@@ -260,6 +240,50 @@ void spawn(int nprocs, const std::function<void(int rank, int world_size)>& fn,
     if (!c.message.empty()) out << ": " << c.text();
   }
   throw SpawnError(out.str(), first);
+}
+
+}  // namespace
+
+void spawn(int nprocs, const std::function<void(int rank, int world_size)>& fn,
+           const SpawnOptions& options) {
+  if (nprocs < 1) throw UsageError("spawn: nprocs must be >= 1, got " + std::to_string(nprocs));
+  TcpStoreServerOptions so;
+  so.host = "127.0.0.1";
+  so.port = 0;
+  so.token = options.token.empty() ? random_token() : options.token;
+  // Listening, but no server thread until every child is forked: a child forked while that thread
+  // held a lock (OpenSSL's random generator mid-handshake with an earlier child) would hang on it.
+  so.start_serving = false;
+  TcpStoreServer server(so);
+
+  std::fflush(nullptr);  // children must not re-emit the parent's buffered output
+  std::vector<Child> children = fork_children(nprocs, server.port(), so.token, fn);
+  server.start();  // children that connected already wait in the listen backlog
+
+  Supervisor::Options policy;
+  policy.grace_period = options.grace_period;
+  policy.timeout = options.timeout;
+  Supervisor supervisor(policy, Clock::now());
+  size_t alive = children.size();
+  while (alive > 0) {
+    std::vector<pollfd> pfds;
+    for (auto& c : children) {
+      if (c.msg_fd >= 0) pfds.push_back({c.msg_fd, POLLIN, 0});
+      if (!c.exited && c.pidfd >= 0) pfds.push_back({c.pidfd, POLLIN, 0});
+    }
+    const int wait_ms = std::min(std::max(net::ms_until(supervisor.next_wakeup()), 0), 100);  // 100 ms: kernels without pidfd
+    ::poll(pfds.data(), pfds.size(), wait_ms);
+    alive -= reap_exited(children, supervisor);
+    switch (supervisor.step(Clock::now(), alive)) {
+      case Supervisor::Send::kTerminate: kill_all(children, SIGTERM); break;
+      case Supervisor::Send::kKill: kill_all(children, SIGKILL); break;
+      case Supervisor::Send::kNothing: break;
+    }
+  }
+  drain_to_end(children);
+  if (supervisor.timed_out() || supervisor.root_cause_rank() >= 0) {
+    throw_failure(children, options.timeout, supervisor.timed_out(), supervisor.root_cause_rank());
+  }
 }
 
 }  // namespace chorus

@@ -81,6 +81,66 @@ std::string floats(const std::vector<float>& v) {
   return s.str();
 }
 
+// CHORUS_IMAGE_PARITY_FILES: more images (colon-separated paths, e.g. real photos) to decode and
+// transform, for measuring by hand; the test's own cases do not need them. Copied into dir/src.
+std::vector<Image> extra_images(const fs::path& dir) {
+  std::vector<Image> extra;
+  if (const char* files = std::getenv("CHORUS_IMAGE_PARITY_FILES")) {
+    std::istringstream list(files);
+    int k = 0;
+    for (std::string path; std::getline(list, path, ':');) {
+      if (path.empty()) continue;
+      const fs::path copy = dir / "src" / ("extra_" + std::to_string(k++) + fs::path(path).extension().string());
+      fs::copy_file(path, copy);
+      extra.push_back(read_image(copy.string(), ImageMode::kRGB));
+    }
+  }
+  return extra;
+}
+
+// Resizes (the shorter side, and both sides: down- and upsampling, odd sizes) and centre crops.
+void add_resize_and_crop_cases(Cases& cases, const std::string& in, const Image& img) {
+  for (int64_t s : {7, 16, 28, 33, 64, 100, 224}) {
+    const auto [h, w] = resize_shorter_size(img.height, img.width, s);
+    cases.u8(in, resize(img, h, w), "resize -1 " + std::to_string(s));
+  }
+  for (auto [h, w] : std::vector<std::pair<int64_t, int64_t>>{{10, 90}, {50, 13}, {img.height, 45}, {31, img.width},
+                                                               {img.height * 3, img.width * 2}}) {
+    cases.u8(in, resize(img, h, w), "resize " + std::to_string(h) + " " + std::to_string(w));
+  }
+  for (auto [h, w] : std::vector<std::pair<int64_t, int64_t>>{{10, 10}, {27, 28}, {img.height, img.width - 1},
+                                                               {img.height + 3, img.width + 4}, {5, img.width + 1}}) {
+    cases.u8(in, center_crop(img, h, w), "center_crop " + std::to_string(h) + " " + std::to_string(w));
+  }
+}
+
+// Random crops with the pipeline's own draws, replayed in torchvision's RandomCrop.
+void add_random_crop_cases(Cases& cases, const std::string& in, const Image& img) {
+  struct CropCase {
+    int64_t h, w;
+    RandomCropOptions o;
+  };
+  RandomCropOptions plain, padded, needed;
+  padded.padding = {4, 2, 1, 3};
+  padded.fill = 17;
+  needed.pad_if_needed = true;
+  for (const CropCase& c : std::vector<CropCase>{{20, 24, plain}, {img.height, img.width, plain},
+                                                 {img.height + 2, 30, padded}, {img.height + 5, img.width + 3, needed}}) {
+    const ImagePipeline p = ImagePipeline().random_crop(c.h, c.w, c.o).random_horizontal_flip(0.5);
+    for (uint64_t index = 0; index < 4; ++index) {
+      const Image padded_img = random_crop_pad(img, c.h, c.w, c.o);
+      ItemRng crop_rng(11, 2, index, 0), flip_rng(11, 2, index, 1);
+      const auto [top, left] = random_crop_offsets(crop_rng, padded_img.height, padded_img.width, c.h, c.w);
+      const bool flip = random_flip_draw(flip_rng, 0.5);
+      std::ostringstream args;
+      args << "random_crop " << c.h << " " << c.w;
+      for (int64_t v : c.o.padding) args << " " << v;
+      args << " " << int{c.o.pad_if_needed} << " " << int{c.o.fill} << " " << top << " " << left << " " << int{flip};
+      cases.u8(in, p.apply_uint8(img, 11, 2, index), args.str());
+    }
+  }
+}
+
 TEST(ImageParity, DecodeAndTransformsMatchPilAndTorchvision) {
   const std::string python = testing::parity_python();
   int status = 0;
@@ -102,19 +162,7 @@ TEST(ImageParity, DecodeAndTransformsMatchPilAndTorchvision) {
   write_file((dir / "src/ours_rgb_q90.jpg").string(), encode_jpeg(photo, 90));
   write_file((dir / "src/ours_gray_q75.jpg").string(), encode_jpeg(gray, 75));
 
-  // CHORUS_IMAGE_PARITY_FILES: more images (colon-separated paths, e.g. real photos) to decode and
-  // transform, for measuring by hand; the test's own cases do not need them.
-  std::vector<Image> extra;
-  if (const char* files = std::getenv("CHORUS_IMAGE_PARITY_FILES")) {
-    std::istringstream list(files);
-    int k = 0;
-    for (std::string path; std::getline(list, path, ':');) {
-      if (path.empty()) continue;
-      const fs::path copy = dir / "src" / ("extra_" + std::to_string(k++) + fs::path(path).extension().string());
-      fs::copy_file(path, copy);
-      extra.push_back(read_image(copy.string(), ImageMode::kRGB));
-    }
-  }
+  const std::vector<Image> extra = extra_images(dir);
 
   Cases cases(dir);
   std::vector<std::string> sources;
@@ -132,42 +180,8 @@ TEST(ImageParity, DecodeAndTransformsMatchPilAndTorchvision) {
   inputs.insert(inputs.end(), extra.begin(), extra.end());
   for (const Image& img : inputs) {
     const std::string in = cases.input(img);
-    for (int64_t s : {7, 16, 28, 33, 64, 100, 224}) {
-      const auto [h, w] = resize_shorter_size(img.height, img.width, s);
-      cases.u8(in, resize(img, h, w), "resize -1 " + std::to_string(s));
-    }
-    for (auto [h, w] : std::vector<std::pair<int64_t, int64_t>>{{10, 90}, {50, 13}, {img.height, 45}, {31, img.width},
-                                                                 {img.height * 3, img.width * 2}}) {
-      cases.u8(in, resize(img, h, w), "resize " + std::to_string(h) + " " + std::to_string(w));
-    }
-    for (auto [h, w] : std::vector<std::pair<int64_t, int64_t>>{{10, 10}, {27, 28}, {img.height, img.width - 1},
-                                                                 {img.height + 3, img.width + 4}, {5, img.width + 1}}) {
-      cases.u8(in, center_crop(img, h, w), "center_crop " + std::to_string(h) + " " + std::to_string(w));
-    }
-    // Random crops with the pipeline's own draws, replayed in torchvision's RandomCrop.
-    struct CropCase {
-      int64_t h, w;
-      RandomCropOptions o;
-    };
-    RandomCropOptions plain, padded, needed;
-    padded.padding = {4, 2, 1, 3};
-    padded.fill = 17;
-    needed.pad_if_needed = true;
-    for (const CropCase& c : std::vector<CropCase>{{20, 24, plain}, {img.height, img.width, plain},
-                                                   {img.height + 2, 30, padded}, {img.height + 5, img.width + 3, needed}}) {
-      const ImagePipeline p = ImagePipeline().random_crop(c.h, c.w, c.o).random_horizontal_flip(0.5);
-      for (uint64_t index = 0; index < 4; ++index) {
-        const Image padded_img = random_crop_pad(img, c.h, c.w, c.o);
-        ItemRng crop_rng(11, 2, index, 0), flip_rng(11, 2, index, 1);
-        const auto [top, left] = random_crop_offsets(crop_rng, padded_img.height, padded_img.width, c.h, c.w);
-        const bool flip = random_flip_draw(flip_rng, 0.5);
-        std::ostringstream args;
-        args << "random_crop " << c.h << " " << c.w;
-        for (int64_t v : c.o.padding) args << " " << v;
-        args << " " << int{c.o.pad_if_needed} << " " << int{c.o.fill} << " " << top << " " << left << " " << int{flip};
-        cases.u8(in, p.apply_uint8(img, 11, 2, index), args.str());
-      }
-    }
+    add_resize_and_crop_cases(cases, in, img);
+    add_random_crop_cases(cases, in, img);
     const std::vector<float> mean = img.channels == 3 ? std::vector<float>{0.485f, 0.456f, 0.406f} : std::vector<float>{0.2860f};
     const std::vector<float> sd = img.channels == 3 ? std::vector<float>{0.229f, 0.224f, 0.225f} : std::vector<float>{0.3530f};
     std::vector<float> out(static_cast<size_t>(img.channels * img.height * img.width));

@@ -88,6 +88,14 @@ struct LoaderEngine::Shared {
   bool stop = false;
   LoaderStats stats;
   std::vector<std::thread> threads;
+
+  // Item `position` of `b`, read and decoded: into b.buffer when the decoder allows it (then
+  // *in_buffer is set and the returned tensor is undefined), else into a tensor of its own. Throws
+  // what the dataset throws.
+  at::Tensor decode(Batch& b, size_t position, bool* in_buffer);
+  // Stacks a batch whose items are all decoded (outside `mutex`: the thread that decoded the last
+  // item owns them), releases the items and hands the batch to take().
+  void finish(Batch& b);
 };
 
 namespace {
@@ -206,6 +214,97 @@ LoaderStats LoaderEngine::stats() const {
   return shared_->stats;
 }
 
+at::Tensor LoaderEngine::Shared::decode(Batch& b, size_t position, bool* in_buffer) {
+  const size_t index = b.indices[position];
+  if (direct == nullptr) return dataset.get(index, b.epoch).data;
+  // Decoded straight into the batch's tensor, allocated by the first item to get there with that
+  // item's shape; an item of another shape gets a tensor of its own (and fails the batch in
+  // finish(), as stacking it would).
+  at::Tensor data;
+  dataset.read_item(index, b.epoch, [&](const std::vector<uint8_t>& bytes, const ItemInfo& info) {
+    direct->decode_into(bytes, info, [&](const std::array<int64_t, 3>& shape) -> float* {
+      {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (!b.buffer.defined()) {
+          b.buffer = batch_tensor({static_cast<int64_t>(b.indices.size()), shape[0], shape[1], shape[2]});
+          b.item_shape = shape;
+        }
+        if (shape == b.item_shape) {
+          *in_buffer = true;
+          return b.buffer.data_ptr<float>() + static_cast<int64_t>(position) * shape[0] * shape[1] * shape[2];
+        }
+      }
+      data = at::empty({shape[0], shape[1], shape[2]}, at::kFloat);
+      return data.data_ptr<float>();
+    });
+  });
+  return data;
+}
+
+void LoaderEngine::Shared::finish(Batch& b) {
+  std::string failure;
+  bool failure_is_source = false;
+  torch::data::Example<> result;
+  std::vector<at::Tensor> xs;
+  std::vector<size_t> kept;  // dataset indices of xs
+  int64_t skipped = 0;
+  std::string first_skipped;
+  const std::string batch_name =
+      "ParallelLoader: batch " + std::to_string(b.number) + " of epoch " + std::to_string(b.epoch);
+  bool whole_buffer = true;  // every item decoded into `buffer`: it is the batch, as it is
+  for (char in : b.in_buffer) whole_buffer = whole_buffer && in;
+  for (size_t p = 0; p < b.indices.size() && failure.empty() && !whole_buffer; ++p) {
+    if (b.errors[p].empty()) {
+      xs.push_back(b.in_buffer[p] ? b.buffer[static_cast<int64_t>(p)] : std::move(b.data[p]));
+      kept.push_back(b.indices[p]);
+      continue;
+    }
+    const std::string what = batch_name + ", item " + std::to_string(p) + " (dataset index " +
+                             std::to_string(b.indices[p]) + "): " + b.errors[p];
+    if (!options.skip_bad || b.source_failed[p]) {
+      failure = what;
+      failure_is_source = b.source_failed[p] != 0;
+    } else {
+      if (skipped++ == 0) first_skipped = what;
+    }
+  }
+  if (failure.empty() && xs.empty() && !whole_buffer) {
+    failure = batch_name + ": all " + std::to_string(b.indices.size()) +
+              " items failed (skip_bad leaves out bad items, not whole batches); the first: " + first_skipped;
+  }
+  if (failure.empty()) {
+    for (size_t p = 1; p < xs.size() && failure.empty(); ++p) {
+      if (xs[p].sizes() != xs[0].sizes() || xs[p].scalar_type() != xs[0].scalar_type()) {
+        failure = batch_name + ": its items decode to different shapes or types (" + shape_of(xs[0]) + " " +
+                  std::string(c10::toString(xs[0].scalar_type())) + " and " + shape_of(xs[p]) + " " +
+                  std::string(c10::toString(xs[p].scalar_type())) +
+                  "), so they cannot be stacked; make the transform resize every item to one shape";
+      }
+    }
+  }
+  if (failure.empty()) {
+    try {
+      result = whole_buffer ? torch::data::Example<>{b.buffer, stack_targets(dataset, b.indices)}
+                            : torch::data::Example<>{at::stack(xs), stack_targets(dataset, kept)};
+    } catch (const std::exception& e) {
+      failure = batch_name + ": stacking its items failed: " + e.what();
+    }
+  }
+  xs.clear();
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (auto& t : b.data) t = at::Tensor();
+    b.buffer = at::Tensor();
+    b.result = std::move(result);
+    b.error = std::move(failure);
+    b.error_is_source = failure_is_source;
+    b.ready = true;
+    b.skipped = skipped;
+    b.first_skipped = std::move(first_skipped);
+  }
+  batch_done.notify_all();
+}
+
 void LoaderEngine::work() {
   Shared& s = *shared_;
   while (true) {
@@ -219,36 +318,12 @@ void LoaderEngine::work() {
     }
     Batch& b = *item.batch;
     if (b.cancelled) continue;
-    const size_t index = b.indices[item.position];
     at::Tensor data;
     bool in_buffer = false;
     std::string error;
     bool source_failed = false;
     try {
-      if (s.direct != nullptr) {
-        // Decoded straight into the batch's tensor, allocated by the first item to get there with
-        // that item's shape; an item of another shape gets a tensor of its own (and fails the
-        // batch below, as stacking it would).
-        s.dataset.read_item(index, b.epoch, [&](const std::vector<uint8_t>& bytes, const ItemInfo& info) {
-          s.direct->decode_into(bytes, info, [&](const std::array<int64_t, 3>& shape) -> float* {
-            {
-              std::lock_guard<std::mutex> lock(s.mutex);
-              if (!b.buffer.defined()) {
-                b.buffer = s.batch_tensor({static_cast<int64_t>(b.indices.size()), shape[0], shape[1], shape[2]});
-                b.item_shape = shape;
-              }
-              if (shape == b.item_shape) {
-                in_buffer = true;
-                return b.buffer.data_ptr<float>() + static_cast<int64_t>(item.position) * shape[0] * shape[1] * shape[2];
-              }
-            }
-            data = at::empty({shape[0], shape[1], shape[2]}, at::kFloat);
-            return data.data_ptr<float>();
-          });
-        });
-      } else {
-        data = s.dataset.get(index, b.epoch).data;
-      }
+      data = s.decode(b, item.position, &in_buffer);
     } catch (const SourceError& e) {
       error = e.what();
       source_failed = true;
@@ -265,69 +340,7 @@ void LoaderEngine::work() {
       last = --b.pending == 0;
     }
     if (!last || b.cancelled) continue;
-
-    // This thread finished the batch: stack it (outside the lock) and release the items.
-    std::string failure;
-    bool failure_is_source = false;
-    torch::data::Example<> result;
-    std::vector<at::Tensor> xs;
-    std::vector<size_t> kept;  // dataset indices of xs
-    int64_t skipped = 0;
-    std::string first_skipped;
-    const std::string batch_name =
-        "ParallelLoader: batch " + std::to_string(b.number) + " of epoch " + std::to_string(b.epoch);
-    bool whole_buffer = true;  // every item decoded into `buffer`: it is the batch, as it is
-    for (char in : b.in_buffer) whole_buffer = whole_buffer && in;
-    for (size_t p = 0; p < b.indices.size() && failure.empty() && !whole_buffer; ++p) {
-      if (b.errors[p].empty()) {
-        xs.push_back(b.in_buffer[p] ? b.buffer[static_cast<int64_t>(p)] : std::move(b.data[p]));
-        kept.push_back(b.indices[p]);
-        continue;
-      }
-      const std::string what = batch_name + ", item " + std::to_string(p) + " (dataset index " +
-                               std::to_string(b.indices[p]) + "): " + b.errors[p];
-      if (!s.options.skip_bad || b.source_failed[p]) {
-        failure = what;
-        failure_is_source = b.source_failed[p] != 0;
-      } else {
-        if (skipped++ == 0) first_skipped = what;
-      }
-    }
-    if (failure.empty() && xs.empty() && !whole_buffer) {
-      failure = batch_name + ": all " + std::to_string(b.indices.size()) +
-                " items failed (skip_bad leaves out bad items, not whole batches); the first: " + first_skipped;
-    }
-    if (failure.empty()) {
-      for (size_t p = 1; p < xs.size() && failure.empty(); ++p) {
-        if (xs[p].sizes() != xs[0].sizes() || xs[p].scalar_type() != xs[0].scalar_type()) {
-          failure = batch_name + ": its items decode to different shapes or types (" + shape_of(xs[0]) + " " +
-                    std::string(c10::toString(xs[0].scalar_type())) + " and " + shape_of(xs[p]) + " " +
-                    std::string(c10::toString(xs[p].scalar_type())) +
-                    "), so they cannot be stacked; make the transform resize every item to one shape";
-        }
-      }
-    }
-    if (failure.empty()) {
-      try {
-        result = whole_buffer ? torch::data::Example<>{b.buffer, stack_targets(s.dataset, b.indices)}
-                              : torch::data::Example<>{at::stack(xs), stack_targets(s.dataset, kept)};
-      } catch (const std::exception& e) {
-        failure = batch_name + ": stacking its items failed: " + e.what();
-      }
-    }
-    xs.clear();
-    {
-      std::lock_guard<std::mutex> lock(s.mutex);
-      for (auto& t : b.data) t = at::Tensor();
-      b.buffer = at::Tensor();
-      b.result = std::move(result);
-      b.error = std::move(failure);
-      b.error_is_source = failure_is_source;
-      b.ready = true;
-      b.skipped = skipped;
-      b.first_skipped = std::move(first_skipped);
-    }
-    s.batch_done.notify_all();
+    s.finish(b);  // this thread finished the batch: stack it and release the items
   }
 }
 

@@ -95,23 +95,25 @@ S3Url parse_s3_url(const std::string& url) {
   return out;
 }
 
-S3Options S3Options::from_env() {
-  auto env = [](const char* name) -> std::string {
-    const char* v = std::getenv(name);
-    return v == nullptr ? "" : v;
+S3Options S3Options::from_env(const Environment& env) {
+  auto var = [&env](const char* name) -> std::string {
+    auto it = env.find(name);
+    return it == env.end() ? "" : it->second;
   };
   S3Options o;
-  o.access_key_id = env("AWS_ACCESS_KEY_ID");
-  o.secret_access_key = env("AWS_SECRET_ACCESS_KEY");
-  o.session_token = env("AWS_SESSION_TOKEN");
-  if (!env("AWS_REGION").empty()) {
-    o.region = env("AWS_REGION");
-  } else if (!env("AWS_DEFAULT_REGION").empty()) {
-    o.region = env("AWS_DEFAULT_REGION");
+  o.access_key_id = var("AWS_ACCESS_KEY_ID");
+  o.secret_access_key = var("AWS_SECRET_ACCESS_KEY");
+  o.session_token = var("AWS_SESSION_TOKEN");
+  if (!var("AWS_REGION").empty()) {
+    o.region = var("AWS_REGION");
+  } else if (!var("AWS_DEFAULT_REGION").empty()) {
+    o.region = var("AWS_DEFAULT_REGION");
   }
-  o.endpoint = env("AWS_ENDPOINT_URL");
+  o.endpoint = var("AWS_ENDPOINT_URL");
   return o;
 }
+
+S3Options S3Options::from_env() { return from_env(current_environment()); }
 
 struct S3Client::Impl {
   const S3Options& options;

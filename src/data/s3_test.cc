@@ -77,6 +77,29 @@ TEST(S3Unit, OptionsFromStandardVariables) {
   }
 }
 
+// The same decisions from an Environment value, without touching the process's environment:
+// AWS_REGION wins over AWS_DEFAULT_REGION, an empty one counts as unset, us-east-1 without either.
+TEST(S3Unit, OptionsFromAnEnvironmentValue) {
+  const Environment env = {{"AWS_ACCESS_KEY_ID", "AK"},
+                           {"AWS_SECRET_ACCESS_KEY", "SK"},
+                           {"AWS_SESSION_TOKEN", "TOKEN"},
+                           {"AWS_ENDPOINT_URL", "http://127.0.0.1:9000"},
+                           {"AWS_REGION", "eu-west-3"},
+                           {"AWS_DEFAULT_REGION", "ap-south-1"}};
+  const S3Options o = S3Options::from_env(env);
+  EXPECT_EQ(o.access_key_id, "AK");
+  EXPECT_EQ(o.secret_access_key, "SK");
+  EXPECT_EQ(o.session_token, "TOKEN");
+  EXPECT_EQ(o.endpoint, "http://127.0.0.1:9000");
+  EXPECT_EQ(o.region, "eu-west-3");
+  EXPECT_EQ(S3Options::from_env({{"AWS_DEFAULT_REGION", "ap-south-1"}}).region, "ap-south-1");
+  EXPECT_EQ(S3Options::from_env({{"AWS_REGION", ""}, {"AWS_DEFAULT_REGION", "ap-south-1"}}).region, "ap-south-1");
+  const S3Options none = S3Options::from_env(Environment{});
+  EXPECT_EQ(none.region, "us-east-1");
+  EXPECT_EQ(none.access_key_id, "");
+  EXPECT_EQ(none.endpoint, "");
+}
+
 TEST(S3Unit, NoCredentialsIsAClearError) {
   S3Options o;
   o.endpoint = "http://127.0.0.1:1";

@@ -273,6 +273,110 @@ struct Reducer::Impl {
       throw UsageError(out.str());
     }
   }
+
+  // The module's distinct parameters and buffers, by identity as PyTorch's DDP dedups them: tied
+  // weights registered under two names are one parameter with one .grad, so they are reduced once.
+  void collect(torch::nn::Module& module) {
+    std::unordered_map<const c10::TensorImpl*, std::string> first_name;
+    for (auto& item : module.named_parameters(/*recurse=*/true)) {
+      const at::Tensor& p = item.value();
+      auto [it, fresh] = first_name.emplace(p.unsafeGetTensorImpl(), item.key());
+      if (!fresh) {
+        described.push_back(item.key() + " = " + it->second);
+        continue;
+      }
+      if (!p.device().is_cpu() || !p.is_contiguous() || p.layout() != at::kStrided) {
+        throw UsageError(me() + ": parameter " + item.key() +
+                         " must be a dense, contiguous CPU tensor (chorus collectives run on the CPU)");
+      }
+      described.push_back(describe_tensor(item.key(), p) + (p.requires_grad() ? "" : " frozen"));
+      state.push_back(p);
+      if (!p.requires_grad()) continue;
+      names.push_back(item.key());
+      params.push_back(p);
+    }
+    for (auto& item : module.named_buffers(/*recurse=*/true)) {
+      if (!first_name.emplace(item.value().unsafeGetTensorImpl(), item.key()).second) continue;
+      buffer_names.push_back(item.key());
+      buffers.push_back(item.value());
+    }
+  }
+
+  // The buckets of the parameters that require a gradient (assign_buckets), each with its flat
+  // gradient tensor and, when compressed, the tensor that travels.
+  void build_buckets() {
+    std::vector<ParamInfo> info;
+    for (const auto& p : params) {
+      info.push_back({static_cast<size_t>(p.numel()) * p.element_size(), static_cast<int>(p.scalar_type())});
+    }
+    const auto mb = [](double v) { return static_cast<size_t>(v * 1024 * 1024); };
+    assignment = assign_buckets(info, mb(opts.first_bucket_mb), mb(opts.bucket_cap_mb));
+    where.resize(params.size());
+    ready.assign(params.size(), false);
+    used.assign(params.size(), 0);
+    for (size_t b = 0; b < assignment.size(); ++b) {
+      Bucket bucket;
+      int64_t total = 0;
+      for (size_t i : assignment[b]) {
+        where[i] = {b, bucket.params.size()};
+        bucket.params.push_back(i);
+        bucket.offsets.push_back(total);
+        total += params[i].numel();
+      }
+      const at::Tensor& first = params[bucket.params[0]];
+      const bool compress = opts.compression != Compression::kNone && at::isFloatingType(first.scalar_type()) &&
+                            first.scalar_type() != at::kHalf && first.scalar_type() != at::kBFloat16;
+      // What travels lives in memory from the group's allocate_buffer (collective: every rank builds
+      // the same buckets in the same order): over shared memory its allreduce works in place across
+      // the ranks, with no staging copies.
+      auto group_memory = [&](at::ScalarType dtype) {
+        std::shared_ptr<Buffer> buf = pg->allocate_buffer(static_cast<size_t>(total) * c10::elementSize(dtype));
+        if (buf->shared()) stats.shared_bytes += static_cast<int64_t>(buf->size());
+        void* data = buf->data();
+        return at::from_blob(data, {total}, [buf](void*) mutable { buf.reset(); },
+                             first.options().dtype(dtype).requires_grad(false));
+      };
+      if (compress) {
+        bucket.flat = at::zeros({total}, first.options().requires_grad(false));
+        bucket.wire = group_memory(opts.compression == Compression::kFloat16 ? at::kHalf : at::kBFloat16);
+      } else {
+        bucket.flat = group_memory(first.scalar_type());
+      }
+      bucket.pending = bucket.params.size();
+      stats.gradient_bytes += total * static_cast<int64_t>(first.element_size());
+      if (!opts.gradient_as_bucket_view) stats.bucket_bytes += bucket.flat.nbytes();
+      if (bucket.wire.defined()) stats.bucket_bytes += bucket.wire.nbytes();
+      buckets.push_back(std::move(bucket));
+    }
+    stats.buckets = static_cast<int>(buckets.size());
+  }
+
+  // Options::gradient_as_bucket_view: a defined .grad becomes a view into its bucket, so backward
+  // accumulates straight into the bucket. An undefined one stays undefined until its first
+  // gradient (as in PyTorch), so a parameter that is never used is never seen by the optimizer.
+  void view_grads_in_buckets() {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) {
+      at::Tensor& grad = params[i].mutable_grad();
+      if (!grad.defined()) continue;
+      at::Tensor alias = grad_alias(i);
+      alias.copy_(grad);
+      grad = alias;
+    }
+  }
+
+  // A hook after each parameter's gradient accumulator: on_gradient(i) while this Reducer lives.
+  void install_hooks() {
+    for (size_t i = 0; i < params.size(); ++i) {
+      auto acc = torch::autograd::impl::grad_accumulator(params[i]);
+      std::weak_ptr<bool> guard = alive;
+      Impl* self = this;
+      acc->add_post_hook(std::make_unique<PostHook>([self, guard, i] {
+        if (auto a = guard.lock(); a && *a) self->on_gradient(i);
+      }));
+      accumulators.push_back(std::move(acc));
+    }
+  }
 };
 
 Reducer::Reducer(torch::nn::Module& module, Options options) : impl_(std::make_unique<Impl>()) {
@@ -281,31 +385,7 @@ Reducer::Reducer(torch::nn::Module& module, Options options) : impl_(std::make_u
   m.pg = options.group != nullptr ? options.group : &dist::default_group();
   m.world = m.pg->size();
   m.overlap = options.overlap == Options::Overlap::kAlways;
-  // Distinct tensors by identity, as PyTorch's DDP dedups parameters: tied weights registered
-  // under two names are one parameter with one .grad, so they are reduced once.
-  std::unordered_map<const c10::TensorImpl*, std::string> first_name;
-  for (auto& item : module.named_parameters(/*recurse=*/true)) {
-    const at::Tensor& p = item.value();
-    auto [it, fresh] = first_name.emplace(p.unsafeGetTensorImpl(), item.key());
-    if (!fresh) {
-      m.described.push_back(item.key() + " = " + it->second);
-      continue;
-    }
-    if (!p.device().is_cpu() || !p.is_contiguous() || p.layout() != at::kStrided) {
-      throw UsageError(m.me() + ": parameter " + item.key() +
-                       " must be a dense, contiguous CPU tensor (chorus collectives run on the CPU)");
-    }
-    m.described.push_back(describe_tensor(item.key(), p) + (p.requires_grad() ? "" : " frozen"));
-    m.state.push_back(p);
-    if (!p.requires_grad()) continue;
-    m.names.push_back(item.key());
-    m.params.push_back(p);
-  }
-  for (auto& item : module.named_buffers(/*recurse=*/true)) {
-    if (!first_name.emplace(item.value().unsafeGetTensorImpl(), item.key()).second) continue;
-    m.buffer_names.push_back(item.key());
-    m.buffers.push_back(item.value());
-  }
+  m.collect(module);
   m.check_agreement();
   {
     // Every parameter, frozen ones too (a backbone loaded on rank 0 only), and every buffer.
@@ -313,75 +393,9 @@ Reducer::Reducer(torch::nn::Module& module, Options options) : impl_(std::make_u
     m.broadcast_from_rank0(m.state);
     m.broadcast_from_rank0(m.buffers);
   }
-
-  std::vector<ParamInfo> info;
-  for (const auto& p : m.params) {
-    info.push_back({static_cast<size_t>(p.numel()) * p.element_size(), static_cast<int>(p.scalar_type())});
-  }
-  const auto mb = [](double v) { return static_cast<size_t>(v * 1024 * 1024); };
-  m.assignment = assign_buckets(info, mb(options.first_bucket_mb), mb(options.bucket_cap_mb));
-  m.where.resize(m.params.size());
-  m.ready.assign(m.params.size(), false);
-  m.used.assign(m.params.size(), 0);
-  for (size_t b = 0; b < m.assignment.size(); ++b) {
-    Bucket bucket;
-    int64_t total = 0;
-    for (size_t i : m.assignment[b]) {
-      m.where[i] = {b, bucket.params.size()};
-      bucket.params.push_back(i);
-      bucket.offsets.push_back(total);
-      total += m.params[i].numel();
-    }
-    const at::Tensor& first = m.params[bucket.params[0]];
-    const bool compress = options.compression != Compression::kNone && at::isFloatingType(first.scalar_type()) &&
-                          first.scalar_type() != at::kHalf && first.scalar_type() != at::kBFloat16;
-    // What travels lives in memory from the group's allocate_buffer (collective: every rank builds
-    // the same buckets in the same order): over shared memory its allreduce works in place across
-    // the ranks, with no staging copies.
-    auto group_memory = [&](at::ScalarType dtype) {
-      std::shared_ptr<Buffer> buf = m.pg->allocate_buffer(static_cast<size_t>(total) * c10::elementSize(dtype));
-      if (buf->shared()) m.stats.shared_bytes += static_cast<int64_t>(buf->size());
-      void* data = buf->data();
-      return at::from_blob(data, {total}, [buf](void*) mutable { buf.reset(); },
-                           first.options().dtype(dtype).requires_grad(false));
-    };
-    if (compress) {
-      bucket.flat = at::zeros({total}, first.options().requires_grad(false));
-      bucket.wire = group_memory(options.compression == Compression::kFloat16 ? at::kHalf : at::kBFloat16);
-    } else {
-      bucket.flat = group_memory(first.scalar_type());
-    }
-    bucket.pending = bucket.params.size();
-    m.stats.gradient_bytes += total * static_cast<int64_t>(first.element_size());
-    if (!options.gradient_as_bucket_view) m.stats.bucket_bytes += bucket.flat.nbytes();
-    if (bucket.wire.defined()) m.stats.bucket_bytes += bucket.wire.nbytes();
-    m.buckets.push_back(std::move(bucket));
-  }
-  m.stats.buckets = static_cast<int>(m.buckets.size());
-
-  if (options.gradient_as_bucket_view) {
-    // A defined .grad becomes a view into its bucket: backward accumulates straight into the
-    // bucket. An undefined one stays undefined until its first gradient (as in PyTorch), so a
-    // parameter that is never used is never seen by the optimizer.
-    torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < m.params.size(); ++i) {
-      at::Tensor& grad = m.params[i].mutable_grad();
-      if (!grad.defined()) continue;
-      at::Tensor alias = m.grad_alias(i);
-      alias.copy_(grad);
-      grad = alias;
-    }
-  }
-
-  for (size_t i = 0; i < m.params.size(); ++i) {
-    auto acc = torch::autograd::impl::grad_accumulator(m.params[i]);
-    std::weak_ptr<bool> guard = m.alive;
-    Impl* self = &m;
-    acc->add_post_hook(std::make_unique<PostHook>([self, guard, i] {
-      if (auto a = guard.lock(); a && *a) self->on_gradient(i);
-    }));
-    m.accumulators.push_back(std::move(acc));
-  }
+  m.build_buckets();
+  if (options.gradient_as_bucket_view) m.view_grads_in_buckets();
+  m.install_hooks();
 }
 
 Reducer::~Reducer() { *impl_->alive = false; }

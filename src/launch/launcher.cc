@@ -1,17 +1,18 @@
+// `chorus run`: the per-node agent. It checks the options, meets the other nodes' agents at the
+// rendezvous store (node ranks, process counts, the job token), then runs attempts: start this
+// node's workers (worker.cc), watch them with chorus::Supervisor (exits, error records, a failure
+// on another node, forwarded signals), and on a failure stop them, name the root cause and restart
+// the group while restarts are left.
 #include "chorus/launch/launcher.h"
 
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
-#include <sys/prctl.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <sys/wait.h>
-#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <climits>
@@ -20,9 +21,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <memory>
-#include <nlohmann/json.hpp>
 #include <sstream>
 #include <thread>
 
@@ -31,53 +30,33 @@
 #include "chorus/comm/spawn.h"
 #include "chorus/comm/supervisor.h"
 #include "chorus/comm/tcp_store.h"
+#include "worker.h"
 
 extern char** environ;
 
 namespace chorus::launch {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 namespace fs = std::filesystem;
+using detail::Clock;
+using detail::describe_failure;
+using detail::ErrorRecord;
+using detail::host_name;
+using detail::kForwardedSignals;
+using detail::pump_output;
+using detail::read_error_record;
+using detail::signal_all;
+using detail::signal_name;
+using detail::start_worker;
+using detail::Worker;
+using detail::WorkerLaunch;
 
-constexpr int kForwarded[] = {SIGINT, SIGTERM, SIGHUP, SIGUSR1, SIGUSR2};
 int g_signal_pipe[2] = {-1, -1};
 
 void on_signal(int sig) {
   unsigned char b = static_cast<unsigned char>(sig);
   ssize_t ignored = ::write(g_signal_pipe[1], &b, 1);
   (void)ignored;
-}
-
-std::string signal_name(int sig) {
-  const char* abbrev = sigabbrev_np(sig);
-  return abbrev ? std::string("SIG") + abbrev : "signal " + std::to_string(sig);
-}
-
-// The local_rank-th CPU this process may run on, or -1 (with a warning, once) when the node's
-// local_world ranks outnumber those CPUs: then no rank is pinned.
-int cpu_for_local_rank(int local_rank, int local_world) {
-  cpu_set_t allowed;
-  CPU_ZERO(&allowed);
-  if (::sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return -1;
-  if (local_world > CPU_COUNT(&allowed)) {
-    if (local_rank == 0) {
-      std::fprintf(stderr, "chorus run: --bind-cpu: %d ranks on this node but %d CPUs to run on; not pinning\n",
-                   local_world, CPU_COUNT(&allowed));
-    }
-    return -1;
-  }
-  int seen = 0;
-  for (int cpu = 0; cpu < CPU_SETSIZE; ++cpu) {
-    if (CPU_ISSET(cpu, &allowed) && seen++ == local_rank) return cpu;
-  }
-  return -1;
-}
-
-std::string host_name() {
-  char buf[256] = {0};
-  ::gethostname(buf, sizeof(buf) - 1);
-  return buf;
 }
 
 // The program as exec will find it, or "" if it cannot be run.
@@ -95,37 +74,12 @@ std::string resolve_program(const std::string& prog) {
   return "";
 }
 
-// What a worker recorded about the error that ended it (chorus::record_fatal_error).
-struct ErrorRecord {
-  bool present = false;
-  std::string message;
-  bool relayed = false;  // a PeerError: it failed because another rank did
-  double time = 0;       // wall clock, seconds
-};
-
 // Milliseconds from now until `t` for poll(): 0 when past, INT_MAX at most.
 int ms_until(Clock::time_point t) {
   const auto now = Clock::now();
   if (t <= now) return 0;
   const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(t - now).count() + 1;
   return ms > INT_MAX ? INT_MAX : static_cast<int>(ms);
-}
-
-ErrorRecord read_error_record(const std::string& path) {
-  ErrorRecord r;
-  std::ifstream in(path);
-  if (!in) return r;
-  try {
-    nlohmann::json j;
-    in >> j;
-    r.message = j.value("message", "");
-    r.relayed = j.value("relayed", false);
-    r.time = j.value("time", 0.0);
-    r.present = true;
-  } catch (...) {
-    // A record cut short (the worker was killed while writing it) says nothing reliable.
-  }
-  return r;
 }
 
 // Scratch directories are /tmp/chorus-run-<launcher pid>-ns<pid namespace>-XXXXXX. A SIGKILLed
@@ -155,23 +109,6 @@ void sweep_stale_scratch_dirs() {
     fs::remove_all(entry.path(), rec);
   }
 }
-
-struct Worker {
-  int local_rank = 0;
-  int rank = 0;
-  pid_t pid = -1;
-  int pidfd = -1;
-  int out_fd = -1;  // read end of the output pipe (--tee, or rank 0 with --log-dir)
-  std::string partial;
-  std::unique_ptr<std::ofstream> log;  // output read through out_fd also goes here (with --log-dir)
-  bool prefix = false;                 // output lines get "[rank N] " (with --tee)
-  bool exited = false;
-  int status = 0;
-  Clock::time_point exit_seen;  // when the launcher reaped it
-  bool record_seen = false;     // its error record was read while it still ran
-  std::string error_file;
-  std::string log_path;
-};
 
 struct Failure {
   bool happened = false;
@@ -381,7 +318,8 @@ class Agent {
     }
   }
 
-  void start(Worker& w, int attempt) {
+  // The worker's environment: this launcher's, plus the rank layout, the rendezvous and this attempt.
+  std::vector<std::string> worker_environment(const Worker& w, int attempt) const {
     std::vector<std::string> env;
     for (char** e = environ; *e != nullptr; ++e) env.emplace_back(*e);
     auto put = [&](const std::string& k, const std::string& v) {
@@ -402,132 +340,21 @@ class Agent {
     put("CHORUS_STORE_EXTERNAL", "1");
     put("CHORUS_STORE_PREFIX", "attempt" + std::to_string(attempt));
     put("CHORUS_ERROR_FILE", w.error_file);
+    return env;
+  }
+
+  void start(Worker& w, int attempt) {
+    WorkerLaunch how;
+    how.program_path = program_path_;
+    how.argv = o_.program;
+    how.env = worker_environment(w, attempt);
+    how.tee = o_.tee;
+    how.bind_cpu = o_.bind_cpu;
+    how.local_world = nproc_;
     ::unlink(w.error_file.c_str());
-
-    // Output the launcher reads: every rank's with --tee; rank 0's with --log-dir alone, so the
-    // terminal still shows the job (and its log gets a copy).
-    const bool piped = o_.tee || (w.rank == 0 && !w.log_path.empty());
-    w.prefix = o_.tee;
-    int pipefd[2] = {-1, -1};
-    if (piped && ::pipe2(pipefd, O_CLOEXEC) != 0) throw Error(std::string("chorus run: pipe: ") + std::strerror(errno));
-    const int cpu = o_.bind_cpu ? cpu_for_local_rank(w.local_rank, nproc_) : -1;
-    std::fflush(nullptr);
-    pid_t pid = ::fork();
-    if (pid < 0) throw Error(std::string("chorus run: fork: ") + std::strerror(errno));
-    if (pid == 0) {
-      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (cpu >= 0) {
-        cpu_set_t one;
-        CPU_ZERO(&one);
-        CPU_SET(cpu, &one);
-        ::sched_setaffinity(0, sizeof(one), &one);
-      }
-      for (int sig : kForwarded) ::signal(sig, SIG_DFL);
-      sigset_t none;
-      sigemptyset(&none);
-      ::sigprocmask(SIG_SETMASK, &none, nullptr);
-      if (piped) {
-        ::dup2(pipefd[1], 1);
-        ::dup2(pipefd[1], 2);
-      } else if (!w.log_path.empty()) {
-        int fd = ::open(w.log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-        if (fd >= 0) {
-          ::dup2(fd, 1);
-          ::dup2(fd, 2);
-        }
-      }
-      std::vector<char*> argv, envp;
-      for (const auto& a : o_.program) argv.push_back(const_cast<char*>(a.c_str()));
-      argv.push_back(nullptr);
-      for (auto& e : env) envp.push_back(e.data());
-      envp.push_back(nullptr);
-      ::execve(program_path_.c_str(), argv.data(), envp.data());
-      std::fprintf(stderr, "chorus run: cannot exec %s: %s\n", program_path_.c_str(), std::strerror(errno));
-      ::_exit(127);
-    }
-    w.pid = pid;
-    w.exited = false;
-    w.status = 0;
-    w.pidfd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
-    if (piped) {
-      ::close(pipefd[1]);
-      w.out_fd = pipefd[0];
-      ::fcntl(w.out_fd, F_SETFL, ::fcntl(w.out_fd, F_GETFL) | O_NONBLOCK);
-      if (!w.log_path.empty()) w.log = std::make_unique<std::ofstream>(w.log_path, std::ios::app);
-    }
+    start_worker(w, how);
   }
-
-  // Copies a worker's output to ours, a line at a time (prefixed "[rank N] " with --tee).
-  void pump_output(Worker& w, bool flush_partial) {
-    if (w.out_fd < 0) return;
-    char buf[8192];
-    for (;;) {
-      ssize_t k = ::read(w.out_fd, buf, sizeof(buf));
-      if (k > 0) {
-        w.partial.append(buf, static_cast<size_t>(k));
-        continue;
-      }
-      if (k == 0) {
-        ::close(w.out_fd);
-        w.out_fd = -1;
-        flush_partial = true;
-      }
-      break;
-    }
-    size_t start = 0;
-    for (size_t nl; (nl = w.partial.find('\n', start)) != std::string::npos; start = nl + 1) {
-      emit(w, w.partial.substr(start, nl - start));
-    }
-    w.partial.erase(0, start);
-    if (flush_partial && !w.partial.empty()) {
-      emit(w, w.partial);
-      w.partial.clear();
-    }
-  }
-
-  void emit(Worker& w, const std::string& line) {
-    std::string out = (w.prefix ? "[rank " + std::to_string(w.rank) + "] " : std::string()) + line + "\n";
-    std::fwrite(out.data(), 1, out.size(), stdout);
-    std::fflush(stdout);
-    if (w.log) *w.log << line << "\n" << std::flush;
-  }
-
-  static std::string how_it_ended(const Worker& w) {
-    if (!w.exited) return "still running (stopped by the launcher)";
-    if (WIFSIGNALED(w.status)) return "killed by " + signal_name(WTERMSIG(w.status));
-    if (WEXITSTATUS(w.status) == 0) return "finished normally (exit code 0)";
-    return "exit code " + std::to_string(WEXITSTATUS(w.status));
-  }
-
-  // The root cause, then one line for every other rank of this node that failed or finished.
-  std::string describe_failure(const std::vector<Worker>& ws, const Worker& root) {
-    std::ostringstream out;
-    out << "rank " << root.rank << " (local rank " << root.local_rank << " on host " << host_name() << ", pid "
-        << root.pid << "): " << how_it_ended(root);
-    const ErrorRecord rec = read_error_record(root.error_file);
-    if (rec.present) {
-      out << "\n  message: " << rec.message;
-      if (rec.relayed) out << "\n  (a relayed error: no rank recorded an error of its own)";
-    }
-    if (!root.log_path.empty()) out << "\n  log: " << root.log_path;
-    for (const auto& w : ws) {
-      if (&w == &root || !w.exited) continue;
-      out << "\n  rank " << w.rank << ": " << how_it_ended(w);
-      const ErrorRecord r = read_error_record(w.error_file);
-      if (!r.present || (WIFEXITED(w.status) && WEXITSTATUS(w.status) == 0)) continue;
-      out << (r.relayed ? ", failed because another rank did: " : ": ") << r.message;
-    }
-    return out.str();
-  }
-
-  void signal_all(std::vector<Worker>& ws, int sig) {
-    for (auto& w : ws) {
-      if (!w.exited && w.pid > 0) ::kill(w.pid, sig);
-    }
-  }
-
-  Failure run_attempt(int attempt) {
-    wait_for_nodes(attempt);
+  std::vector<Worker> make_workers() const {
     std::vector<Worker> ws(static_cast<size_t>(nproc_));
     for (int i = 0; i < nproc_; ++i) {
       Worker& w = ws[static_cast<size_t>(i)];
@@ -536,6 +363,110 @@ class Agent {
       w.error_file = scratch_ + "/error_rank" + std::to_string(w.rank) + ".json";
       if (!o_.log_dir.empty()) w.log_path = o_.log_dir + "/rank_" + std::to_string(w.rank) + ".log";
     }
+    return ws;
+  }
+
+  // Waits for a signal, a worker's exit or output, or the supervisor's next deadline (100 ms at most).
+  static void wait_for_events(const std::vector<Worker>& ws, const Supervisor& supervisor) {
+    std::vector<pollfd> pfds;
+    pfds.push_back({g_signal_pipe[0], POLLIN, 0});
+    for (const auto& w : ws) {
+      if (!w.exited && w.pidfd >= 0) pfds.push_back({w.pidfd, POLLIN, 0});
+      if (w.out_fd >= 0) pfds.push_back({w.out_fd, POLLIN, 0});
+    }
+    ::poll(pfds.data(), pfds.size(), std::min(ms_until(supervisor.next_wakeup()), 100));
+  }
+
+  // Passes the signals the launcher received on to the workers; any but SIGUSR1/2 stops the job.
+  void forward_signals(std::vector<Worker>& ws, Supervisor& supervisor) {
+    unsigned char sig = 0;
+    while (::read(g_signal_pipe[0], &sig, 1) == 1) {
+      signal_all(ws, sig);
+      if (sig != SIGUSR1 && sig != SIGUSR2 && stop_signal_ == 0) {
+        stop_signal_ = sig;
+        supervisor.on_stop(Clock::now());
+      }
+    }
+  }
+
+  // Copies the workers' output, reaps those that exited and reports each to the supervisor;
+  // returns how many it reaped.
+  static size_t reap_exited(std::vector<Worker>& ws, Supervisor& supervisor) {
+    size_t reaped = 0;
+    for (auto& w : ws) {
+      pump_output(w, false);
+      if (w.exited) continue;
+      int status = 0;
+      if (::waitpid(w.pid, &status, WNOHANG) != w.pid) continue;
+      w.exited = true;
+      w.status = status;
+      w.exit_seen = Clock::now();
+      ++reaped;
+      if (w.pidfd >= 0) {
+        ::close(w.pidfd);
+        w.pidfd = -1;
+      }
+      // The record is renamed into place before the worker exits: complete when it is reaped.
+      const ErrorRecord rec = read_error_record(w.error_file);
+      ExitReport r;
+      r.rank = w.rank;
+      r.signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
+      r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      r.recorded = rec.present;
+      r.relayed = rec.relayed;
+      r.recorded_at = rec.time;
+      supervisor.on_exit(r, w.exit_seen);
+    }
+    return reaped;
+  }
+
+  // A worker writes its error record before it exits, and its teardown may take longer than the
+  // failure window: a record of a worker still running counts too. (Read only while a failure is
+  // being decided: no file reads per worker per poll in a healthy job.)
+  static void read_running_records(std::vector<Worker>& ws, Supervisor& supervisor) {
+    for (auto& w : ws) {
+      if (w.exited || w.record_seen) continue;
+      const ErrorRecord rec = read_error_record(w.error_file);
+      if (!rec.present) continue;
+      w.record_seen = true;
+      ExitReport r;
+      r.rank = w.rank;
+      r.recorded = true;
+      r.relayed = rec.relayed;
+      r.recorded_at = rec.time;
+      supervisor.on_record(r, Clock::now());
+    }
+  }
+
+  // Whether another node has reported this attempt's failure under `failed_key`.
+  void check_other_nodes(const std::string& failed_key, Failure* failure, Supervisor& supervisor) {
+    try {
+      if (store_->check({failed_key})) {
+        failure->happened = true;
+        failure->report = store_->get(failed_key);
+        supervisor.on_remote_failure(Clock::now());
+      }
+    } catch (const Error&) {
+      // The store is gone (node 0 finished): local workers go on by themselves.
+    }
+  }
+
+  // Decided here: name the root cause, and tell the other nodes.
+  void announce_failure(const std::vector<Worker>& ws, const Supervisor& supervisor, const std::string& failed_key,
+                        Failure* failure) {
+    failure->happened = true;
+    failure->report = describe_failure(ws, ws[static_cast<size_t>(supervisor.root_cause_rank() - offset_)]);
+    if (o_.nnodes > 1) {
+      try {
+        store_->set(failed_key, "node " + std::to_string(o_.node_rank) + ": " + failure->report);
+      } catch (const Error&) {
+      }
+    }
+  }
+
+  Failure run_attempt(int attempt) {
+    wait_for_nodes(attempt);
+    std::vector<Worker> ws = make_workers();
     for (auto& w : ws) start(w, attempt);
 
     const std::string failed_key = "launch/attempt" + std::to_string(attempt) + "/failed";
@@ -546,87 +477,16 @@ class Agent {
     auto next_store_check = Clock::now();
     size_t alive = ws.size();
     while (alive > 0) {
-      std::vector<pollfd> pfds;
-      pfds.push_back({g_signal_pipe[0], POLLIN, 0});
-      for (auto& w : ws) {
-        if (!w.exited && w.pidfd >= 0) pfds.push_back({w.pidfd, POLLIN, 0});
-        if (w.out_fd >= 0) pfds.push_back({w.out_fd, POLLIN, 0});
-      }
-      ::poll(pfds.data(), pfds.size(), std::min(ms_until(supervisor.next_wakeup()), 100));
-
-      unsigned char sig = 0;
-      while (::read(g_signal_pipe[0], &sig, 1) == 1) {
-        signal_all(ws, sig);
-        if (sig != SIGUSR1 && sig != SIGUSR2 && stop_signal_ == 0) {
-          stop_signal_ = sig;
-          supervisor.on_stop(Clock::now());
-        }
-      }
-      for (auto& w : ws) {
-        pump_output(w, false);
-        if (w.exited) continue;
-        int status = 0;
-        if (::waitpid(w.pid, &status, WNOHANG) != w.pid) continue;
-        w.exited = true;
-        w.status = status;
-        w.exit_seen = Clock::now();
-        --alive;
-        if (w.pidfd >= 0) {
-          ::close(w.pidfd);
-          w.pidfd = -1;
-        }
-        // The record is renamed into place before the worker exits: complete when it is reaped.
-        const ErrorRecord rec = read_error_record(w.error_file);
-        ExitReport r;
-        r.rank = w.rank;
-        r.signal = WIFSIGNALED(status) ? WTERMSIG(status) : 0;
-        r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-        r.recorded = rec.present;
-        r.relayed = rec.relayed;
-        r.recorded_at = rec.time;
-        supervisor.on_exit(r, w.exit_seen);
-      }
-      if (supervisor.deciding()) {
-        // A worker writes its error record before it exits, and its teardown may take longer than
-        // the failure window: a record of a worker still running counts too. (Read only while a
-        // failure is being decided: no file reads per worker per poll in a healthy job.)
-        for (auto& w : ws) {
-          if (w.exited || w.record_seen) continue;
-          const ErrorRecord rec = read_error_record(w.error_file);
-          if (!rec.present) continue;
-          w.record_seen = true;
-          ExitReport r;
-          r.rank = w.rank;
-          r.recorded = true;
-          r.relayed = rec.relayed;
-          r.recorded_at = rec.time;
-          supervisor.on_record(r, Clock::now());
-        }
-      }
+      wait_for_events(ws, supervisor);
+      forward_signals(ws, supervisor);
+      alive -= reap_exited(ws, supervisor);
+      if (supervisor.deciding()) read_running_records(ws, supervisor);
       if (o_.nnodes > 1 && !supervisor.failure_decided() && Clock::now() >= next_store_check) {
         next_store_check = Clock::now() + std::chrono::milliseconds(100);
-        try {
-          if (store_->check({failed_key})) {
-            failure.happened = true;
-            failure.report = store_->get(failed_key);
-            supervisor.on_remote_failure(Clock::now());
-          }
-        } catch (const Error&) {
-          // The store is gone (node 0 finished): local workers go on by themselves.
-        }
+        check_other_nodes(failed_key, &failure, supervisor);
       }
       const Supervisor::Send send = supervisor.step(Clock::now(), alive);
-      if (supervisor.failure_decided() && !failure.happened) {
-        // Decided here: name the root cause, and tell the other nodes.
-        failure.happened = true;
-        failure.report = describe_failure(ws, ws[static_cast<size_t>(supervisor.root_cause_rank() - offset_)]);
-        if (o_.nnodes > 1) {
-          try {
-            store_->set(failed_key, "node " + std::to_string(o_.node_rank) + ": " + failure.report);
-          } catch (const Error&) {
-          }
-        }
-      }
+      if (supervisor.failure_decided() && !failure.happened) announce_failure(ws, supervisor, failed_key, &failure);
       if (send == Supervisor::Send::kTerminate) signal_all(ws, SIGTERM);
       if (send == Supervisor::Send::kKill) signal_all(ws, SIGKILL);
     }
@@ -679,7 +539,7 @@ int run(const LaunchOptions& options) {
   if (g_signal_pipe[0] < 0 && ::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
     throw Error(std::string("chorus run: pipe: ") + std::strerror(errno));
   }
-  for (int sig : kForwarded) {
+  for (int sig : kForwardedSignals) {
     struct sigaction sa {};
     sa.sa_handler = on_signal;
     sigemptyset(&sa.sa_mask);

@@ -160,38 +160,36 @@ class ResumeBreaks {
   int64_t previous_ = -1;
 };
 
-}  // namespace
+using Points = std::vector<Point>;
+using PointsOf = std::function<Points(const RunRecords&)>;
 
-std::vector<Figure> plan_figures(const std::vector<RunRecords>& runs) {
-  const std::vector<std::string> labels = run_labels(runs);
-  double max_time = 0;
-  for (const auto& r : runs) {
-    if (!r.metrics.steps.empty()) max_time = std::max(max_time, r.metrics.steps.back().time);
+// Figures against step or wall time, a series per run that has points. The time axis is in
+// minutes when the longest run took more than 20 minutes.
+class LineFigures {
+ public:
+  explicit LineFigures(const std::vector<RunRecords>& runs) : runs_(runs), labels_(run_labels(runs)) {
+    double max_time = 0;
+    for (const auto& r : runs) {
+      if (!r.metrics.steps.empty()) max_time = std::max(max_time, r.metrics.steps.back().time);
+    }
+    minutes_ = max_time > 20 * 60;
   }
-  const bool minutes = max_time > 20 * 60;
-  const double time_scale = minutes ? 1.0 / 60 : 1.0;
-  const std::string time_label = minutes ? "wall time (min)" : "wall time (s)";
 
-  std::vector<Figure> figures;
-  auto add = [&](Figure f) {
-    if (!f.series.empty()) figures.push_back(std::move(f));
-  };
-  // One figure against step or wall time, a series per run that has points (`points` gives them).
-  using Points = std::vector<Point>;
-  auto line_figure = [&](const std::string& id, const std::string& title, const std::string& ylabel,
-                         Figure::Kind kind, bool against_time, const std::function<Points(const RunRecords&)>& points) {
+  Figure make(const std::string& id, const std::string& title, const std::string& ylabel, Figure::Kind kind,
+              bool against_time, const PointsOf& points) const {
+    const double time_scale = minutes_ ? 1.0 / 60 : 1.0;
     Figure f;
     f.id = id;
     f.title = title;
-    f.xlabel = against_time ? time_label : "step";
+    f.xlabel = against_time ? (minutes_ ? "wall time (min)" : "wall time (s)") : "step";
     f.ylabel = ylabel;
     f.kind = kind;
-    for (size_t i = 0; i < runs.size(); ++i) {
+    for (size_t i = 0; i < runs_.size(); ++i) {
       Series s;
-      s.label = labels[i];
+      s.label = labels_[i];
       s.color = static_cast<int>(i);
-      ResumeBreaks breaks(runs[i], against_time);
-      for (const Point& p : points(runs[i])) {
+      ResumeBreaks breaks(runs_[i], against_time);
+      for (const Point& p : points(runs_[i])) {
         if (!std::isfinite(p.value)) continue;
         breaks.add(p.step, &s);
         s.x.push_back(against_time ? p.time * time_scale : static_cast<double>(p.step));
@@ -200,30 +198,36 @@ std::vector<Figure> plan_figures(const std::vector<RunRecords>& runs) {
       if (kind == Figure::Kind::kLines) s.smooth = smooth_window(s.y.size());
       if (!s.x.empty()) f.series.push_back(std::move(s));
     }
-    add(std::move(f));
-  };
-  auto step_field = [](double StepRecord::*field) {
-    return [field](const RunRecords& r) {
-      Points out;
-      for (const auto& st : r.metrics.steps) out.push_back({st.step, st.time, st.*field});
-      return out;
-    };
-  };
-  auto scalar = [](const std::string& key) {
-    return [key](const RunRecords& r) {
-      Points out;
-      for (const auto& rec : r.metrics.scalars) {
-        auto it = rec.values.find(key);
-        if (it != rec.values.end()) out.push_back({rec.step, rec.time, it->second});
-      }
-      return out;
-    };
-  };
-  const auto lines = Figure::Kind::kLines;
-  line_figure("loss_vs_step", "Loss against step", "loss", lines, false, step_field(&StepRecord::loss));
-  line_figure("loss_vs_time", "Loss against wall time", "loss", lines, true, step_field(&StepRecord::loss));
+    return f;
+  }
 
-  // User scalars, in the order they first appear.
+ private:
+  const std::vector<RunRecords>& runs_;
+  std::vector<std::string> labels_;
+  bool minutes_ = false;
+};
+
+PointsOf step_field(double StepRecord::*field) {
+  return [field](const RunRecords& r) {
+    Points out;
+    for (const auto& st : r.metrics.steps) out.push_back({st.step, st.time, st.*field});
+    return out;
+  };
+}
+
+PointsOf scalar(const std::string& key) {
+  return [key](const RunRecords& r) {
+    Points out;
+    for (const auto& rec : r.metrics.scalars) {
+      auto it = rec.values.find(key);
+      if (it != rec.values.end()) out.push_back({rec.step, rec.time, it->second});
+    }
+    return out;
+  };
+}
+
+// The user scalars' names, in the order they first appear.
+std::vector<std::string> scalar_keys(const std::vector<RunRecords>& runs) {
   std::vector<std::string> keys;
   std::set<std::string> seen;
   for (const auto& r : runs) {
@@ -233,51 +237,46 @@ std::vector<Figure> plan_figures(const std::vector<RunRecords>& runs) {
       }
     }
   }
-  std::set<std::string> ids = {"loss_vs_step", "loss_vs_time", "throughput_vs_step", "step_breakdown"};
-  for (const auto& key : keys) {
-    std::string stem = figure_id(key);
-    while (ids.count(stem + "_vs_step")) stem += "_";
-    ids.insert(stem + "_vs_step");
-    line_figure(stem + "_vs_step", key + " against step", key, Figure::Kind::kPoints, false, scalar(key));
-    line_figure(stem + "_vs_time", key + " against wall time", key, Figure::Kind::kPoints, true, scalar(key));
-  }
+  return keys;
+}
 
-  line_figure("throughput_vs_step", "Throughput against step", "samples/s (all workers)", lines, false,
-              step_field(&StepRecord::samples_per_s));
-
-  // Scaling: each world size's samples/s (the mean over its runs) beside linear scaling from the
-  // smallest one, when the runs have at least two world sizes.
+// Scaling: each world size's samples/s (the mean over its runs) beside linear scaling from the
+// smallest one. No series unless the runs have at least two world sizes.
+Figure scaling_figure(const std::vector<RunRecords>& runs) {
   std::map<int, std::pair<double, int>> by_world;  // world size -> (sum of samples/s, runs)
   for (const RunRow& row : summarize_runs(runs)) {
     if (row.world_size < 1 || !(row.samples_per_s > 0)) continue;
     by_world[row.world_size].first += row.samples_per_s;
     by_world[row.world_size].second += 1;
   }
-  if (by_world.size() >= 2) {
-    Figure scaling;
-    scaling.id = "throughput_vs_workers";
-    scaling.title = "Throughput against workers";
-    scaling.xlabel = "workers";
-    scaling.ylabel = "samples/s (all workers)";
-    scaling.kind = Figure::Kind::kPoints;
-    Series measured, linear;
-    measured.label = "measured";
-    const int base_world = by_world.begin()->first;
-    const double base_rate = by_world.begin()->second.first / by_world.begin()->second.second;
-    linear.label = "linear scaling from " + std::to_string(base_world) + (base_world == 1 ? " worker" : " workers");
-    linear.color = 1;
-    for (const auto& [world, rate] : by_world) {
-      measured.x.push_back(world);
-      measured.y.push_back(rate.first / rate.second);
-      linear.x.push_back(world);
-      linear.y.push_back(base_rate * world / base_world);
-    }
-    scaling.y_from_zero = true;
-    scaling.xtics = measured.x;
-    scaling.series = {std::move(measured), std::move(linear)};
-    add(std::move(scaling));
+  Figure scaling;
+  if (by_world.size() < 2) return scaling;
+  scaling.id = "throughput_vs_workers";
+  scaling.title = "Throughput against workers";
+  scaling.xlabel = "workers";
+  scaling.ylabel = "samples/s (all workers)";
+  scaling.kind = Figure::Kind::kPoints;
+  Series measured, linear;
+  measured.label = "measured";
+  const int base_world = by_world.begin()->first;
+  const double base_rate = by_world.begin()->second.first / by_world.begin()->second.second;
+  linear.label = "linear scaling from " + std::to_string(base_world) + (base_world == 1 ? " worker" : " workers");
+  linear.color = 1;
+  for (const auto& [world, rate] : by_world) {
+    measured.x.push_back(world);
+    measured.y.push_back(rate.first / rate.second);
+    linear.x.push_back(world);
+    linear.y.push_back(base_rate * world / base_world);
   }
+  scaling.y_from_zero = true;
+  scaling.xtics = measured.x;
+  scaling.series = {std::move(measured), std::move(linear)};
+  return scaling;
+}
 
+// Each run's mean step time, stacked by phase (phase_means).
+Figure step_breakdown_figure(const std::vector<RunRecords>& runs) {
+  const std::vector<std::string> labels = run_labels(runs);
   Figure bars;
   bars.id = "step_breakdown";
   bars.title = "Step time by phase (mean over steps)";
@@ -300,16 +299,15 @@ std::vector<Figure> plan_figures(const std::vector<RunRecords>& runs) {
       bars.series[p].y.push_back(phases[p].second);
     }
   }
-  add(std::move(bars));
-  return figures;
+  return bars;
 }
 
-std::string gnuplot_script(const Figure& f, const FigureStyle& style) {
-  // Said in the title when some series is smoothed, so that nobody reads the bold line as raw values.
+// The gnuplot commands every figure starts with: the SVG terminal, the title (saying so when some
+// series is smoothed, so that nobody reads the bold line as raw values), the axes and the key.
+void write_preamble(std::ostringstream& g, const Figure& f, const FigureStyle& style) {
   const bool any_smooth = f.kind == Figure::Kind::kLines &&
                           std::any_of(f.series.begin(), f.series.end(), [](const Series& s) { return s.smooth > 1; });
   const std::string title = any_smooth ? f.title + " (faint: each step; bold: centred moving mean)" : f.title;
-  std::ostringstream g;
   g << "# " << f.title << ": drawn by chorus report (gnuplot 5, svg terminal)\n"
     << "set terminal svg size " << style.width << "," << style.height << " fixed noenhanced font "
     << quote(style.font) << " background '#ffffff'\n"
@@ -321,76 +319,75 @@ std::string gnuplot_script(const Figure& f, const FigureStyle& style) {
     << "set tics nomirror\n"
     << "set grid lt 1 lc rgb '#e6e6e6' lw 1\n"
     << "set key below horizontal noenhanced height 1\n";
-  if (f.series.empty()) {
-    g << "set xrange [0:1]\nset yrange [0:1]\nunset tics\n"
-      << "set label 'no data' at graph 0.5, 0.5 center\nplot -1 notitle\n";
-    return g.str();
-  }
+}
 
-  if (f.kind == Figure::Kind::kStackedBars) {
-    g << "set style data histograms\n"
-      << "set style histogram rowstacked\n"
-      << "set style fill solid 0.9 border lc rgb '#ffffff'\n"
-      << "set boxwidth 0.55 relative\n"
-      << "set yrange [0:*]\n"
-      << "set xtics scale 0" << bar_label_rotation(f.categories, style) << "\n"
-      << "set grid noxtics ytics\n"
-      << "set key below horizontal\n"
-      << "$bars << EOD\n";
-    for (size_t c = 0; c < f.categories.size(); ++c) {
-      std::string label = f.categories[c];
-      std::replace(label.begin(), label.end(), '"', '\'');
-      g << '"' << label << '"';
-      double total = 0;
-      for (const auto& s : f.series) {
-        const double v = c < s.y.size() && std::isfinite(s.y[c]) ? s.y[c] : 0.0;
-        total += v;
-        g << ' ' << num(v);
-      }
-      g << ' ' << num(total) << "\n";
+// A stacked bar per category, its total above it.
+void write_stacked_bars(std::ostringstream& g, const Figure& f, const FigureStyle& style) {
+  g << "set style data histograms\n"
+    << "set style histogram rowstacked\n"
+    << "set style fill solid 0.9 border lc rgb '#ffffff'\n"
+    << "set boxwidth 0.55 relative\n"
+    << "set yrange [0:*]\n"
+    << "set xtics scale 0" << bar_label_rotation(f.categories, style) << "\n"
+    << "set grid noxtics ytics\n"
+    << "set key below horizontal\n"
+    << "$bars << EOD\n";
+  for (size_t c = 0; c < f.categories.size(); ++c) {
+    std::string label = f.categories[c];
+    std::replace(label.begin(), label.end(), '"', '\'');
+    g << '"' << label << '"';
+    double total = 0;
+    for (const auto& s : f.series) {
+      const double v = c < s.y.size() && std::isfinite(s.y[c]) ? s.y[c] : 0.0;
+      total += v;
+      g << ' ' << num(v);
     }
-    g << "EOD\n"
-      << "set offsets 0, 0, graph 0.08, 0\n"
-      << "plot ";
-    for (size_t p = 0; p < f.series.size(); ++p) {
-      g << (p ? ", \\\n     " : "") << "$bars using " << p + 2 << (p == 0 ? ":xtic(1)" : "") << " title "
-        << quote(f.series[p].label) << " lc rgb "
-        << color(detail::phase_color(static_cast<size_t>(f.series[p].color)));
-    }
-    const size_t total_col = f.series.size() + 2;
-    g << ", \\\n     $bars using 0:" << total_col << ":(sprintf('%.1f ms', $" << total_col
-      << ")) with labels offset 0, 0.8 notitle\n";
-    return g.str();
+    g << ' ' << num(total) << "\n";
   }
+  g << "EOD\n"
+    << "set offsets 0, 0, graph 0.08, 0\n"
+    << "plot ";
+  for (size_t p = 0; p < f.series.size(); ++p) {
+    g << (p ? ", \\\n     " : "") << "$bars using " << p + 2 << (p == 0 ? ":xtic(1)" : "") << " title "
+      << quote(f.series[p].label) << " lc rgb "
+      << color(detail::phase_color(static_cast<size_t>(f.series[p].color)));
+  }
+  const size_t total_col = f.series.size() + 2;
+  g << ", \\\n     $bars using 0:" << total_col << ":(sprintf('%.1f ms', $" << total_col
+    << ")) with labels offset 0, 0.8 notitle\n";
+}
 
+// The drawn points of one series as a data block. A blank line in a data block breaks gnuplot's
+// line there: between two drawn points that a break lies between.
+void write_block(std::ostringstream& g, const std::string& name, const Series& s, const std::vector<double>& y,
+                 const std::vector<size_t>& drawn) {
+  g << name << " << EOD\n";
+  size_t next_break = 0;
+  for (size_t n = 0; n < drawn.size(); ++n) {
+    const size_t k = drawn[n];
+    if (n > 0) {
+      while (next_break < s.breaks.size() && s.breaks[next_break] <= drawn[n - 1]) ++next_break;
+      if (next_break < s.breaks.size() && s.breaks[next_break] <= k) g << "\n";
+    }
+    g << num(s.x[k]) << ' ' << num(y[k]) << "\n";
+  }
+  g << "EOD\n";
+}
+
+// Lines or points per series; a smoothed series is drawn faint as it is and bold as its moving mean.
+void write_lines(std::ostringstream& g, const Figure& f, const FigureStyle& style) {
   if (f.y_from_zero) g << "set yrange [0:*]\n";
   if (!f.xtics.empty()) {
     g << "set xtics (";
     for (size_t i = 0; i < f.xtics.size(); ++i) g << (i ? ", " : "") << num(f.xtics[i]);
     g << ")\nset offsets graph 0.05, graph 0.05, 0, 0\n";
   }
-  // A blank line in a data block breaks gnuplot's line there: between two drawn points that a
-  // break lies between.
-  auto block = [&](const std::string& name, const Series& s, const std::vector<double>& y,
-                   const std::vector<size_t>& drawn) {
-    g << name << " << EOD\n";
-    size_t next_break = 0;
-    for (size_t n = 0; n < drawn.size(); ++n) {
-      const size_t k = drawn[n];
-      if (n > 0) {
-        while (next_break < s.breaks.size() && s.breaks[next_break] <= drawn[n - 1]) ++next_break;
-        if (next_break < s.breaks.size() && s.breaks[next_break] <= k) g << "\n";
-      }
-      g << num(s.x[k]) << ' ' << num(y[k]) << "\n";
-    }
-    g << "EOD\n";
-  };
   for (size_t i = 0; i < f.series.size(); ++i) {
     const Series& s = f.series[i];
-    block("$d" + std::to_string(i), s, s.y, drawn_points(s.y, style.max_points, /*envelope=*/true));
+    write_block(g, "$d" + std::to_string(i), s, s.y, drawn_points(s.y, style.max_points, /*envelope=*/true));
     if (s.smooth > 1) {
       const std::vector<double> mean = moving_mean(s.y, s.smooth);
-      block("$s" + std::to_string(i), s, mean, drawn_points(mean, style.max_points, /*envelope=*/false));
+      write_block(g, "$s" + std::to_string(i), s, mean, drawn_points(mean, style.max_points, /*envelope=*/false));
     }
   }
   g << "plot ";
@@ -408,6 +405,47 @@ std::string gnuplot_script(const Figure& f, const FigureStyle& style) {
     }
   }
   g << "\n";
+}
+
+}  // namespace
+
+std::vector<Figure> plan_figures(const std::vector<RunRecords>& runs) {
+  const LineFigures line(runs);
+  std::vector<Figure> figures;
+  auto add = [&](Figure f) {
+    if (!f.series.empty()) figures.push_back(std::move(f));
+  };
+  const auto lines = Figure::Kind::kLines;
+  add(line.make("loss_vs_step", "Loss against step", "loss", lines, false, step_field(&StepRecord::loss)));
+  add(line.make("loss_vs_time", "Loss against wall time", "loss", lines, true, step_field(&StepRecord::loss)));
+
+  std::set<std::string> ids = {"loss_vs_step", "loss_vs_time", "throughput_vs_step", "step_breakdown"};
+  for (const auto& key : scalar_keys(runs)) {
+    std::string stem = figure_id(key);
+    while (ids.count(stem + "_vs_step")) stem += "_";
+    ids.insert(stem + "_vs_step");
+    add(line.make(stem + "_vs_step", key + " against step", key, Figure::Kind::kPoints, false, scalar(key)));
+    add(line.make(stem + "_vs_time", key + " against wall time", key, Figure::Kind::kPoints, true, scalar(key)));
+  }
+
+  add(line.make("throughput_vs_step", "Throughput against step", "samples/s (all workers)", lines, false,
+                step_field(&StepRecord::samples_per_s)));
+  add(scaling_figure(runs));
+  add(step_breakdown_figure(runs));
+  return figures;
+}
+
+std::string gnuplot_script(const Figure& f, const FigureStyle& style) {
+  std::ostringstream g;
+  write_preamble(g, f, style);
+  if (f.series.empty()) {
+    g << "set xrange [0:1]\nset yrange [0:1]\nunset tics\n"
+      << "set label 'no data' at graph 0.5, 0.5 center\nplot -1 notitle\n";
+  } else if (f.kind == Figure::Kind::kStackedBars) {
+    write_stacked_bars(g, f, style);
+  } else {
+    write_lines(g, f, style);
+  }
   return g.str();
 }
 

@@ -142,7 +142,7 @@ std::string human(size_t bytes) {
   return buf;
 }
 
-void rank_main(const BenchArgs& a, int rank, int world) {
+ProcessGroupOptions group_options(const BenchArgs& a, int rank, int world) {
   ProcessGroupOptions o;
   o.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
   o.transport = a.transport;
@@ -153,7 +153,70 @@ void rank_main(const BenchArgs& a, int rank, int world) {
   o.small_allreduce_bytes = a.small_bytes;
   o.socket_buffer_bytes = a.socket_buffer;
   o.spin_us = a.spin_us;
-  auto pg = connect_process_group("env://", rank, world, o);
+  return o;
+}
+
+// Iteration count: fixed, or calibrated on rank 0 and broadcast so every rank agrees.
+int64_t iteration_count(const BenchArgs& a, Case& c, ProcessGroup& pg) {
+  int64_t iters = a.iters;
+  if (iters <= 0) {
+    auto t0 = Clock::now();
+    c.run();
+    c.run();
+    double per = std::chrono::duration<double>(Clock::now() - t0).count() / 2;
+    iters = static_cast<int64_t>(std::clamp(a.seconds / std::max(per, 1e-9), 20.0, 100000.0));
+    pg.broadcast(&iters, 1, DataType::kInt64, 0)->wait();
+  }
+  return iters;
+}
+
+// This rank's times of `iters` runs (us); *correct says whether every checked result was right
+// (with --check every run's, else one run's after them).
+std::vector<double> time_runs(const BenchArgs& a, Case& c, int64_t iters, bool* correct) {
+  std::vector<double> times;
+  times.reserve(static_cast<size_t>(iters));
+  *correct = true;
+  for (int64_t i = 0; i < iters; ++i) {
+    if (a.check) c.fill();  // outside the timed region
+    auto t0 = Clock::now();
+    c.run();
+    times.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+    if (a.check) *correct = c.verify() && *correct;
+  }
+  if (!a.check) {  // at least one result is always checked
+    c.fill();
+    c.run();
+    *correct = c.verify();
+  }
+  return times;
+}
+
+// The figure of a round is the slowest rank's: max over ranks of each statistic. *all_ok says
+// whether every rank's results were right.
+Stats slowest_rank(ProcessGroup& pg, const Stats& s, bool correct, bool* all_ok) {
+  std::ostringstream mine;
+  mine << s.p50 << " " << s.p99 << " " << s.min << " " << s.mean << " " << (correct ? 1 : 0);
+  auto w = pg.all_gather_object(mine.str());
+  w->wait();
+  Stats worst;
+  bool ok = true;
+  for (const auto& text : w->objects()) {
+    std::istringstream in(text);
+    Stats t;
+    int c_ok = 0;
+    in >> t.p50 >> t.p99 >> t.min >> t.mean >> c_ok;
+    worst.p50 = std::max(worst.p50, t.p50);
+    worst.p99 = std::max(worst.p99, t.p99);
+    worst.min = std::max(worst.min, t.min);
+    worst.mean = std::max(worst.mean, t.mean);
+    ok = ok && c_ok == 1;
+  }
+  *all_ok = ok;
+  return worst;
+}
+
+void rank_main(const BenchArgs& a, int rank, int world) {
+  auto pg = connect_process_group("env://", rank, world, group_options(a, rank, world));
   nlohmann::json records = nlohmann::json::array();
   bool all_correct = true;
   if (rank == 0 && !a.quiet) {
@@ -165,51 +228,12 @@ void rank_main(const BenchArgs& a, int rank, int world) {
   }
   for (size_t bytes : parse_sizes(a.sizes)) {
     Case c(*pg, a.op, bytes);
-    bool correct = true;
     for (int i = 0; i < a.warmup; ++i) c.run();
-    // Iteration count: fixed, or calibrated on rank 0 and broadcast so every rank agrees.
-    int64_t iters = a.iters;
-    if (iters <= 0) {
-      auto t0 = Clock::now();
-      c.run();
-      c.run();
-      double per = std::chrono::duration<double>(Clock::now() - t0).count() / 2;
-      iters = static_cast<int64_t>(std::clamp(a.seconds / std::max(per, 1e-9), 20.0, 100000.0));
-      pg->broadcast(&iters, 1, DataType::kInt64, 0)->wait();
-    }
-    std::vector<double> times;
-    times.reserve(static_cast<size_t>(iters));
-    for (int64_t i = 0; i < iters; ++i) {
-      if (a.check) c.fill();  // outside the timed region
-      auto t0 = Clock::now();
-      c.run();
-      times.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
-      if (a.check) correct = c.verify() && correct;
-    }
-    if (!a.check) {  // at least one result is always checked
-      c.fill();
-      c.run();
-      correct = c.verify();
-    }
-    Stats s = stats(times);
-    // The figure of a round is the slowest rank's: max over ranks of each statistic.
-    std::ostringstream mine;
-    mine << s.p50 << " " << s.p99 << " " << s.min << " " << s.mean << " " << (correct ? 1 : 0);
-    auto w = pg->all_gather_object(mine.str());
-    w->wait();
-    Stats worst;
+    const int64_t iters = iteration_count(a, c, *pg);
+    bool correct = true;
+    const std::vector<double> times = time_runs(a, c, iters, &correct);
     bool ok = true;
-    for (const auto& text : w->objects()) {
-      std::istringstream in(text);
-      Stats t;
-      int c_ok = 0;
-      in >> t.p50 >> t.p99 >> t.min >> t.mean >> c_ok;
-      worst.p50 = std::max(worst.p50, t.p50);
-      worst.p99 = std::max(worst.p99, t.p99);
-      worst.min = std::max(worst.min, t.min);
-      worst.mean = std::max(worst.mean, t.mean);
-      ok = ok && c_ok == 1;
-    }
+    const Stats worst = slowest_rank(*pg, stats(times), correct, &ok);
     all_correct = all_correct && ok;
     const double moved = static_cast<double>(c.bytes_moved());
     const double algbw = worst.p50 > 0 ? moved / (worst.p50 * 1e-6) / 1e9 : 0;

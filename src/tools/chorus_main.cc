@@ -69,87 +69,66 @@ std::vector<std::string> split_program(const std::vector<std::string>& args, con
   return out;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  CLI::App app{"chorus: distributed data-parallel training for libtorch"};
-  app.set_version_flag("--version", std::string(CHORUS_VERSION));
-  app.require_subcommand(1);
-  app.footer("Run `chorus SUBCOMMAND --help` for a subcommand's options.");
-
-  chorus::launch::LaunchOptions launch;
-  bool standalone = false;
+// `chorus run`'s options, into *launch and *standalone.
+CLI::App* add_run_command(CLI::App& app, chorus::launch::LaunchOptions* launch, bool* standalone) {
   CLI::App* run = app.add_subcommand("run", "start a job's workers on this node (like torchrun)");
   run->prefix_command();  // everything from PROGRAM on belongs to the program
   run->formatter(std::make_shared<RunFormatter>());
-  run->add_option("-n,--nproc-per-node,--nproc_per_node", launch.nproc_per_node,
+  run->add_option("-n,--nproc-per-node,--nproc_per_node", launch->nproc_per_node,
                   "workers on this node: a number or 'auto' (one per core)")
       ->capture_default_str();
-  run->add_option("--nnodes", launch.nnodes, "number of nodes")->capture_default_str();
-  run->add_option("--node-rank,--node_rank", launch.node_rank, "this node's rank in [0, nnodes)")->capture_default_str();
-  run->add_option("--rdzv-endpoint,--rdzv_endpoint", launch.rdzv_endpoint,
+  run->add_option("--nnodes", launch->nnodes, "number of nodes")->capture_default_str();
+  run->add_option("--node-rank,--node_rank", launch->node_rank, "this node's rank in [0, nnodes)")->capture_default_str();
+  run->add_option("--rdzv-endpoint,--rdzv_endpoint", launch->rdzv_endpoint,
                   "HOST:PORT of node 0's rendezvous store (default with one node: a local store on a port the "
                   "kernel picks)");
-  run->add_option("--master-addr,--master_addr", launch.master_addr, "node 0's address (with --master-port)");
-  run->add_option("--master-port,--master_port", launch.master_port, "node 0's store port, in [1, 65535]");
-  run->add_flag("--standalone", standalone,
+  run->add_option("--master-addr,--master_addr", launch->master_addr, "node 0's address (with --master-port)");
+  run->add_option("--master-port,--master_port", launch->master_port, "node 0's store port, in [1, 65535]");
+  run->add_flag("--standalone", *standalone,
                 "one node with a local store on a free port (torchrun's spelling; also the default with one node)");
-  run->add_option("--max-restarts,--max_restarts", launch.max_restarts,
+  run->add_option("--max-restarts,--max_restarts", launch->max_restarts,
                   "restart the whole group this many times after a failure")
       ->capture_default_str();
-  run->add_option("--log-dir,--log_dir", launch.log_dir,
+  run->add_option("--log-dir,--log_dir", launch->log_dir,
                   "write one log per rank here (rank_N.log); rank 0's output also stays on the terminal");
-  run->add_flag("--bind-cpu,--bind_cpu", launch.bind_cpu,
+  run->add_flag("--bind-cpu,--bind_cpu", launch->bind_cpu,
                 "pin local rank r to the r-th CPU this launcher may run on (when the node's ranks fit its CPUs)");
-  run->add_flag("--tee", launch.tee, "show every rank's output, each line prefixed [rank N] (and log it with --log-dir)");
-  run->add_option("--grace-period", launch.grace_period_s,
+  run->add_flag("--tee", launch->tee,
+                "show every rank's output, each line prefixed [rank N] (and log it with --log-dir)");
+  run->add_option("--grace-period", launch->grace_period_s,
                   "seconds between SIGTERM and SIGKILL when stopping workers, in [0, 3600]")
       ->capture_default_str();
-  run->add_option("--rdzv-timeout,--rdzv_timeout", launch.rdzv_timeout_s,
+  run->add_option("--rdzv-timeout,--rdzv_timeout", launch->rdzv_timeout_s,
                   "seconds to wait for the store and the other nodes")
       ->capture_default_str();
-  run->add_option("--token", launch.token,
+  run->add_option("--token", launch->token,
                   "job token (default: CHORUS_JOB_TOKEN, else --token-file, else a fresh one on one node)");
-  run->add_option("--token-file,--token_file", launch.token_file,
+  run->add_option("--token-file,--token_file", launch->token_file,
                   "file holding the job token, readable only by you (or CHORUS_JOB_TOKEN_FILE); needed with --nnodes > 1");
+  return run;
+}
 
-  chorus::tools::BenchArgs bench;
-  CLI::App* b = app.add_subcommand("bench", "measure a collective on W local ranks");
-  chorus::tools::add_bench_options(*b, bench);
-
-  chorus::report::ReportOptions report;
-  double gnuplot_timeout_s = 30;
+// `chorus report`'s options, into *report and *gnuplot_timeout_s.
+CLI::App* add_report_command(CLI::App& app, chorus::report::ReportOptions* report, double* gnuplot_timeout_s) {
   CLI::App* rep = app.add_subcommand("report", "an HTML page of run directories' metrics (docs/report.md)");
-  rep->add_option("RUN_DIR", report.run_dirs, "run directories (config.json, metrics.jsonl; docs/run-records.md)")
+  rep->add_option("RUN_DIR", report->run_dirs, "run directories (config.json, metrics.jsonl; docs/run-records.md)")
       ->required();
-  rep->add_option("-o,--out", report.out_dir,
+  rep->add_option("-o,--out", report->out_dir,
                   "output directory for index.html and figures/ (default: RUN_DIR/report for one run, "
                   "./chorus-report for several)");
-  rep->add_option("--gnuplot", report.gnuplot, "the gnuplot program (Debian: gnuplot-nox)")->capture_default_str();
-  rep->add_option("--gnuplot-timeout", gnuplot_timeout_s, "seconds gnuplot may take per figure")
+  rep->add_option("--gnuplot", report->gnuplot, "the gnuplot program (Debian: gnuplot-nox)")->capture_default_str();
+  rep->add_option("--gnuplot-timeout", *gnuplot_timeout_s, "seconds gnuplot may take per figure")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  return rep;
+}
 
-  chorus::tools::RenderArgs render;
-  CLI::App* data = app.add_subcommand("data", "data set tools");
-  data->require_subcommand(1);
-  CLI::App* render_cmd = data->add_subcommand(
-      "render-fashion-mnist", "write Fashion-MNIST as image files (an ImageFolder tree) and CSV datasets");
-  chorus::tools::add_render_options(*render_cmd, render);
-  chorus::tools::PairsArgs pairs;
-  CLI::App* pairs_cmd = data->add_subcommand(
-      "render-fashion-mnist-pairs",
-      "write a multi-label CSV dataset: two Fashion-MNIST items side by side per image, the union of their classes");
-  chorus::tools::add_pairs_options(*pairs_cmd, pairs);
-  chorus::tools::UploadArgs upload;
-  CLI::App* upload_cmd = data->add_subcommand(
-      "upload", "copy a local tree into s3://BUCKET/PREFIX (AWS_* variables give credentials and endpoint)");
-  chorus::tools::add_upload_options(*upload_cmd, upload);
-
-  std::vector<std::string> program;
-  std::vector<std::string> args = split_program(std::vector<std::string>(argv, argv + argc), *run, &program);
+// Parses the command line; returns -1 when a subcommand is to run, else main()'s exit status
+// (help, version, or a usage error, said on stderr).
+int parse(CLI::App& app, const std::vector<std::string>& args, int argc, char** argv) {
+  std::vector<std::string> copy = args;
   std::vector<char*> cargs;
-  for (auto& a : args) cargs.push_back(a.data());
+  for (auto& a : copy) cargs.push_back(a.data());
   try {
     app.parse(static_cast<int>(cargs.size()), cargs.data());
   } catch (const CLI::CallForHelp& e) {
@@ -170,6 +149,62 @@ int main(int argc, char** argv) {
     }
     return kUsageExit;
   }
+  return -1;
+}
+
+int run_report(chorus::report::ReportOptions& report, double gnuplot_timeout_s) {
+  report.gnuplot_timeout = std::chrono::milliseconds(static_cast<int64_t>(gnuplot_timeout_s * 1000));
+  try {
+    std::printf("%s\n", chorus::report::write_report(report).c_str());
+  } catch (const chorus::UsageError&) {
+    throw;
+  } catch (const chorus::Error& e) {
+    std::fprintf(stderr, "%s\n", e.what());  // already says "chorus report: ..."
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"chorus: distributed data-parallel training for libtorch"};
+  app.set_version_flag("--version", std::string(CHORUS_VERSION));
+  app.require_subcommand(1);
+  app.footer("Run `chorus SUBCOMMAND --help` for a subcommand's options.");
+
+  chorus::launch::LaunchOptions launch;
+  bool standalone = false;
+  CLI::App* run = add_run_command(app, &launch, &standalone);
+
+  chorus::tools::BenchArgs bench;
+  CLI::App* b = app.add_subcommand("bench", "measure a collective on W local ranks");
+  chorus::tools::add_bench_options(*b, bench);
+
+  chorus::report::ReportOptions report;
+  double gnuplot_timeout_s = 30;
+  CLI::App* rep = add_report_command(app, &report, &gnuplot_timeout_s);
+
+  chorus::tools::RenderArgs render;
+  CLI::App* data = app.add_subcommand("data", "data set tools");
+  data->require_subcommand(1);
+  CLI::App* render_cmd = data->add_subcommand(
+      "render-fashion-mnist", "write Fashion-MNIST as image files (an ImageFolder tree) and CSV datasets");
+  chorus::tools::add_render_options(*render_cmd, render);
+  chorus::tools::PairsArgs pairs;
+  CLI::App* pairs_cmd = data->add_subcommand(
+      "render-fashion-mnist-pairs",
+      "write a multi-label CSV dataset: two Fashion-MNIST items side by side per image, the union of their classes");
+  chorus::tools::add_pairs_options(*pairs_cmd, pairs);
+  chorus::tools::UploadArgs upload;
+  CLI::App* upload_cmd = data->add_subcommand(
+      "upload", "copy a local tree into s3://BUCKET/PREFIX (AWS_* variables give credentials and endpoint)");
+  chorus::tools::add_upload_options(*upload_cmd, upload);
+
+  std::vector<std::string> program;
+  const std::vector<std::string> args =
+      split_program(std::vector<std::string>(argv, argv + argc), *run, &program);
+  if (const int status = parse(app, args, argc, argv); status >= 0) return status;
   try {
     if (run->parsed()) {
       launch.program = program.empty() ? run->remaining() : program;
@@ -183,18 +218,7 @@ int main(int argc, char** argv) {
     if (render_cmd->parsed()) return chorus::tools::run_render_fashion_mnist(render);
     if (pairs_cmd->parsed()) return chorus::tools::run_render_fashion_mnist_pairs(pairs);
     if (upload_cmd->parsed()) return chorus::tools::run_upload(upload);
-    if (rep->parsed()) {
-      report.gnuplot_timeout = std::chrono::milliseconds(static_cast<int64_t>(gnuplot_timeout_s * 1000));
-      try {
-        std::printf("%s\n", chorus::report::write_report(report).c_str());
-      } catch (const chorus::UsageError&) {
-        throw;
-      } catch (const chorus::Error& e) {
-        std::fprintf(stderr, "%s\n", e.what());  // already says "chorus report: ..."
-        return 1;
-      }
-      return 0;
-    }
+    if (rep->parsed()) return run_report(report, gnuplot_timeout_s);
   } catch (const chorus::UsageError& e) {
     std::fprintf(stderr, "%s\n", e.what());
     return kUsageExit;

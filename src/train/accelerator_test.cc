@@ -1,6 +1,8 @@
 // Accelerator: accumulation equals the large-batch step (and communicates only on sync steps),
-// bf16 autocast within tolerance of fp32, the fp16 error, exact gather_for_metrics on uneven
-// shards, reduce, the prepare errors, main_process_first ordering and clip_grad_norm_.
+// bf16 autocast within tolerance of fp32, the fp16 error, malloc tuning and when the progress line
+// is rewritten in place (decided from the environment), exact gather_for_metrics on uneven shards,
+// reduce, the prepare errors, main_process_first ordering and clip_grad_norm_. State, resume,
+// signals and records are in accelerator_state_test.cc.
 //
 // Libtorch work runs in forked ranks (run_ranks) only, so the gtest process can fork safely.
 #include "chorus/train/accelerator.h"
@@ -12,77 +14,21 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <csignal>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <sstream>
-#include <cmath>
-#include <filesystem>
 #include <fstream>
+#include <functional>
+#include <string>
 #include <thread>
+#include <vector>
 
-#include "chorus/comm/signals.h"
-#include "chorus/train/checkpoint.h"
+#include "accelerator_test_util.h"
 #include "testing.h"
 
 namespace chorus::train {
 namespace {
 
-namespace fs = std::filesystem;
-using torch::data::transforms::Stack;
-
-void require(bool ok, const std::string& what) {
-  if (!ok) throw std::runtime_error(what);
-}
-
-// Every test's run directories live under one temporary directory, made in the parent before any
-// test forks its ranks and removed after the last test.
-class RunRoot : public ::testing::Environment {
- public:
-  void SetUp() override {
-    char tmpl[] = "/tmp/chorus-accelerator-test-XXXXXX";
-    require(::mkdtemp(tmpl) != nullptr, "mkdtemp failed");
-    path() = tmpl;
-  }
-  void TearDown() override { fs::remove_all(path()); }
-  static std::string& path() {
-    static std::string p;
-    return p;
-  }
-};
-const auto* const kRunRoot = ::testing::AddGlobalTestEnvironment(new RunRoot);
-
-// Options for a test's Accelerator: its run directory is named after the running test (the same in
-// every forked rank), under the temporary root; no progress on stdout, no fsync.
-AcceleratorOptions test_options(const std::string& suffix = "") {
-  AcceleratorOptions o;
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  std::string name = std::string(info->test_suite_name()) + "." + info->name() + suffix;
-  for (char& c : name) {
-    if (c == '/') c = '_';
-  }
-  o.project_dir = RunRoot::path();
-  o.run_name = name;
-  o.progress = false;
-  o.fsync = false;
-  return o;
-}
-
-// Item i: data = features[i], target = i (so a batch names its items).
-struct Items : torch::data::datasets::Dataset<Items> {
-  explicit Items(at::Tensor features) : features(std::move(features)) {}
-  torch::data::Example<> get(size_t i) override {
-    return {features[static_cast<int64_t>(i)], torch::tensor(static_cast<int64_t>(i))};
-  }
-  torch::optional<size_t> size() const override { return static_cast<size_t>(features.size(0)); }
-  at::Tensor features;
-};
-
-// The fixed data every rank and the references share.
-at::Tensor features(int64_t n, int64_t dim) {
-  auto gen = at::detail::createCPUGenerator(42);
-  return at::randn({n, dim}, gen);
-}
 at::Tensor regression_targets(int64_t n) {
   auto gen = at::detail::createCPUGenerator(43);
   return at::randn({n, 2}, gen);
@@ -306,6 +252,31 @@ TEST(TuneMalloc, LargeBlocksStayInTheHeapUnlessTheUserSaysOtherwise) {
   }), "");
 }
 
+// The same decision from an Environment value (no setenv): the user's MALLOC_* settings, even
+// empty, or CHORUS_MALLOC_TUNING=0 leave malloc alone, and nothing is changed then; any other
+// CHORUS_MALLOC_TUNING applies it (in a forked rank, as it changes the process's malloc).
+TEST(TuneMalloc, TheEnvironmentValueDecides) {
+  EXPECT_FALSE(tune_malloc_for_training(Environment{{"MALLOC_MMAP_THRESHOLD_", "65536"}}));
+  EXPECT_FALSE(tune_malloc_for_training(Environment{{"MALLOC_TRIM_THRESHOLD_", ""}}));
+  EXPECT_FALSE(tune_malloc_for_training(Environment{{"CHORUS_MALLOC_TUNING", "0"}}));
+  EXPECT_EQ(testing::run_ranks(1, [](int, int, std::shared_ptr<Store>) {
+    require(tune_malloc_for_training(Environment{{"CHORUS_MALLOC_TUNING", "1"}}), "not applied");
+  }), "");
+}
+
+// Progress lines rewritten in place: only on a terminal, not with TERM=dumb, and not under a
+// launcher that relays the output (its variable set, even to "").
+TEST(Progress, RewritesInPlaceOnlyOnATerminalNoLauncherRelays) {
+  EXPECT_TRUE(stdout_rewrites_in_place(Environment{{"TERM", "xterm-256color"}}, true));
+  EXPECT_TRUE(stdout_rewrites_in_place(Environment{}, true));
+  EXPECT_FALSE(stdout_rewrites_in_place(Environment{{"TERM", "xterm"}}, false));
+  EXPECT_FALSE(stdout_rewrites_in_place(Environment{{"TERM", "dumb"}}, true));
+  for (const char* relay : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_STEP_ID", "SLURM_STEPID"}) {
+    EXPECT_FALSE(stdout_rewrites_in_place(Environment{{"TERM", "xterm"}, {relay, "2"}}, true)) << relay;
+    EXPECT_FALSE(stdout_rewrites_in_place(Environment{{relay, ""}}, true)) << relay << " set to \"\"";
+  }
+}
+
 TEST(MixedPrecision, BF16LossStaysWithinToleranceOfFP32) {
   EXPECT_EQ(testing::run_ranks(2, [](int rank, int, std::shared_ptr<Store>) {
     c10::ScalarType fp32_hidden, bf16_hidden;
@@ -498,325 +469,6 @@ TEST(ClipGradNorm, SameOnEveryRankAndEqualToTheAveragedGradientsNorm) {
     double after = 0;
     for (const auto& p : net->parameters()) after += p.grad().pow(2).sum().item<double>();
     require(std::abs(std::sqrt(after) - max_norm) < 1e-4, "not clipped to max_norm: " + std::to_string(std::sqrt(after)));
-  }), "");
-}
-
-
-// ---- State, resume, signals and records ---------------------------------------------------------
-
-struct DropNetImpl : torch::nn::Module {
-  DropNetImpl() {
-    fc1 = register_module("fc1", torch::nn::Linear(6, 16));
-    drop = register_module("drop", torch::nn::Dropout(0.3));
-    fc2 = register_module("fc2", torch::nn::Linear(16, 3));
-  }
-  at::Tensor forward(const at::Tensor& x) { return fc2(drop(torch::relu(fc1(x)))); }
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
-  torch::nn::Dropout drop{nullptr};
-};
-TORCH_MODULE(DropNet);
-
-// One optimizer step as the loop saw it.
-struct StepTrace {
-  int64_t step = 0;
-  int64_t epoch = 0;
-  std::vector<int64_t> items;  // the items of its micro-batches, in order
-  double loss = 0;             // sum of its micro-batches' losses (compared bit for bit)
-  double lr = 0;
-  bool operator==(const StepTrace& o) const {
-    return step == o.step && epoch == o.epoch && items == o.items && loss == o.loss && lr == o.lr;
-  }
-};
-
-std::string describe(const StepTrace& t) {
-  std::ostringstream out;
-  out << "step " << t.step << " epoch " << t.epoch << " loss " << std::hexfloat << t.loss << std::defaultfloat << " lr "
-      << t.lr << " items";
-  for (auto i : t.items) out << ' ' << i;
-  return out.str();
-}
-
-struct JobResult {
-  std::vector<StepTrace> trace;
-  std::string counter;       // a registered user object: the number of steps it has seen
-  at::Tensor parameters;     // all parameters, flattened, at the end
-  bool stopped = false;
-};
-
-constexpr int64_t kStateItems = 45;  // W=2, batch 4: 23 items a rank, 6 batches (the last short), k=2: 3 steps an epoch
-
-// Everything the state holds: dropout (RNG), SGD with momentum, a StepLR scheduler, accumulation,
-// a prepared loader and a registered object. on_step runs after each optimizer step.
-JobResult state_job(AcceleratorOptions o, int64_t epochs, const std::function<void(Accelerator&)>& on_step = {}) {
-  o.gradient_accumulation_steps = 2;
-  o.seed = 11;
-  Accelerator accelerator(o);
-  const at::Tensor x = features(kStateItems, 6);
-  const at::Tensor classes = x.narrow(1, 0, 3).argmax(1);
-  torch::manual_seed(3 + accelerator.rank());
-  DropNet net;
-  auto model = accelerator.prepare_model(net);
-  torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-  auto optimizer = accelerator.prepare_optimizer(sgd);
-  torch::optim::StepLR step_lr(sgd, 2, 0.5);
-  auto scheduler = accelerator.prepare_scheduler(step_lr);
-  auto loader = accelerator.prepare_data_loader(Items(x).map(Stack<>()), torch::data::DataLoaderOptions(4));
-  JobResult result;
-  result.counter = "0";
-  accelerator.register_for_checkpointing(
-      "counter", [&] { return result.counter; }, [&](const std::string& s) { result.counter = s; });
-  StepTrace current;
-  for (int64_t epoch : accelerator.epochs(epochs)) {
-    int64_t items = 0;
-    for (auto& batch : loader) {
-      optimizer.zero_grad();
-      auto loss = torch::cross_entropy_loss(model(batch.data), classes.index_select(0, batch.target));
-      accelerator.backward(loss);
-      for (int64_t i = 0; i < batch.target.size(0); ++i) current.items.push_back(batch.target[i].item<int64_t>());
-      current.loss += loss.item<double>();
-      items += batch.target.size(0);
-      optimizer.step();
-      scheduler.step();
-      if (!accelerator.sync_gradients()) continue;
-      current.step = accelerator.global_step();
-      current.epoch = epoch;
-      current.lr = sgd.param_groups()[0].options().get_lr();
-      result.trace.push_back(current);
-      current = StepTrace();
-      result.counter = std::to_string(std::stoll(result.counter) + 1);
-      if (on_step) on_step(accelerator);
-    }
-    accelerator.log({{"epoch_items", items}});
-  }
-  result.stopped = accelerator.stopped();
-  std::vector<at::Tensor> flat;
-  for (const auto& p : net->parameters()) flat.push_back(p.detach().flatten());
-  result.parameters = at::cat(flat);
-  return result;
-}
-
-void require_same(const std::vector<StepTrace>& got, const std::vector<StepTrace>& want, const std::string& what) {
-  require(got.size() == want.size(), what + ": " + std::to_string(got.size()) + " steps, expected " +
-                                         std::to_string(want.size()));
-  for (size_t i = 0; i < got.size(); ++i) {
-    require(got[i] == want[i], what + ": step " + std::to_string(i) + " differs:\n  got  " + describe(got[i]) +
-                                   "\n  want " + describe(want[i]));
-  }
-}
-
-std::vector<nlohmann::json> read_jsonl(const std::string& path) {
-  std::ifstream in(path);
-  require(static_cast<bool>(in), "cannot read " + path);
-  std::vector<nlohmann::json> lines;
-  std::string text;
-  while (std::getline(in, text)) lines.push_back(nlohmann::json::parse(text));
-  return lines;
-}
-
-std::vector<nlohmann::json> of_type(const std::vector<nlohmann::json>& lines, const std::string& type) {
-  std::vector<nlohmann::json> out;
-  for (const auto& l : lines) {
-    if (l.value("type", "") == type) out.push_back(l);
-  }
-  return out;
-}
-
-nlohmann::json read_json(const std::string& path) {
-  std::ifstream in(path);
-  require(static_cast<bool>(in), "cannot read " + path);
-  return nlohmann::json::parse(in);
-}
-
-TEST(State, MidEpochResumeGivesTheSameBatchesLossesAndObjects) {
-  EXPECT_EQ(testing::run_ranks(2, [](int, int, std::shared_ptr<Store>) {
-    torch::set_num_threads(1);
-    const JobResult full = state_job(test_options("_full"), 3);
-    require(full.trace.size() == 9, "the uninterrupted run has " + std::to_string(full.trace.size()) + " steps");
-
-    // Saves at step 4 (mid-epoch 1), goes on to step 7 and ends without saving: like a kill after 7.
-    AcceleratorOptions first = test_options("_part");
-    first.checkpoint_each_epoch = false;
-    first.checkpoint_every = 4;
-    first.max_steps = 7;
-    const JobResult part1 = state_job(first, 3);
-    require_same(part1.trace, {full.trace.begin(), full.trace.begin() + 7}, "before the interruption");
-
-    AcceleratorOptions second = test_options("_part");
-    second.resume = true;
-    const JobResult part2 = state_job(second, 3);
-    require_same(part2.trace, {full.trace.begin() + 4, full.trace.end()}, "after resuming at step 4");
-    require(part2.counter == full.counter && full.counter == "9", "user object: " + part2.counter + " vs " + full.counter);
-    require(at::equal(part2.parameters, full.parameters), "final parameters differ from the uninterrupted run's");
-
-    // The records hold each step once: the resumed run dropped steps 5..7 of the first attempt.
-    const std::string dir = RunRoot::path() + "/" + test_options("_part").run_name;
-    for (const std::string& file : {dir + "/metrics/rank-" + std::to_string(dist::get_rank()) + ".jsonl",
-                                    dir + "/metrics.jsonl"}) {
-      if (file == dir + "/metrics.jsonl" && dist::get_rank() != 0) continue;
-      auto steps = of_type(read_jsonl(file), "step");
-      require(steps.size() == 9, file + ": " + std::to_string(steps.size()) + " step lines, expected 9");
-      for (size_t i = 0; i < steps.size(); ++i) {
-        require(steps[i]["step"].get<int64_t>() == static_cast<int64_t>(i + 1), file + ": steps out of order");
-      }
-    }
-  }), "");
-}
-
-TEST(State, ARestartResumesWithoutAFlagAndAStaleStateIsRefused) {
-  EXPECT_EQ(testing::run_ranks(2, [](int, int, std::shared_ptr<Store>) {
-    torch::set_num_threads(1);
-    const JobResult full = state_job(test_options("_full"), 2);
-    AcceleratorOptions first = test_options();
-    first.max_steps = 2;
-    state_job(first, 2);
-
-    ::setenv("CHORUS_RESTART_COUNT", "1", 1);  // as `chorus run --max-restarts` sets it for attempt 2
-    const JobResult restarted = state_job(test_options(), 2);
-    ::unsetenv("CHORUS_RESTART_COUNT");
-    require_same(restarted.trace, {full.trace.begin() + 2, full.trace.end()}, "after the restart");
-
-    try {
-      state_job(test_options(), 2);
-      require(false, "a run over a saved state without resume or overwrite was not refused");
-    } catch (const UsageError& e) {
-      const std::string what = e.what();
-      require(what.find("--resume") != std::string::npos && what.find("--overwrite") != std::string::npos &&
-                  what.find("step 6") != std::string::npos,
-              "refusal does not name the fixes and the saved step: " + what);
-    }
-    AcceleratorOptions afresh = test_options();
-    afresh.overwrite = true;
-    require_same(state_job(afresh, 2).trace, full.trace, "overwrite starts afresh");
-  }), "");
-}
-
-TEST(State, ALoopWithoutEpochsResumesAtTheLoadersFirstPass) {
-  EXPECT_EQ(testing::run_ranks(2, [](int, int, std::shared_ptr<Store>) {
-    AcceleratorOptions first = test_options();
-    first.max_steps = 2;
-    state_job(first, 2);
-    // The same job, its loop written by hand (no epochs()): the restart still resumes at step 3.
-    ::setenv("CHORUS_RESTART_COUNT", "1", 1);
-    AcceleratorOptions o = test_options();
-    o.gradient_accumulation_steps = 2;
-    o.seed = 11;
-    Accelerator accelerator(o);
-    ::unsetenv("CHORUS_RESTART_COUNT");
-    DropNet net;
-    auto model = accelerator.prepare_model(net);
-    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-    auto optimizer = accelerator.prepare_optimizer(sgd);
-    const at::Tensor x = features(kStateItems, 6);
-    auto loader = accelerator.prepare_data_loader(Items(x).map(Stack<>()), torch::data::DataLoaderOptions(4));
-    for (auto& batch : loader) {
-      require(accelerator.global_step() >= 2, "the first batch came before the state was loaded");
-      optimizer.zero_grad();
-      accelerator.backward(torch::cross_entropy_loss(model(batch.data), x.narrow(1, 0, 3).argmax(1).index_select(0, batch.target)));
-      optimizer.step();
-    }
-    require(accelerator.global_step() == 3, "after one pass from the resumed position: step " +
-                                                std::to_string(accelerator.global_step()));
-  }), "");
-}
-
-TEST(Signals, SigusrOnOneRankSavesStateOnAllAndExitsZero) {
-  auto reports = testing::run_ranks_independent(2, [](int rank, int world) -> std::string {
-    torch::set_num_threads(1);
-    dist::init_process_group("chorus", "env://", rank, world);
-    state_job(test_options(), 100, [rank](Accelerator& a) {
-      if (a.global_step() == 5 && rank == 1) ::raise(SIGUSR1);  // as the launcher would forward it
-    });
-    return "training went on after SIGUSR1";
-  });
-  for (const auto& r : reports) {
-    EXPECT_TRUE(r.exited && r.exit_code == 0) << "rank " << r.rank << ": exit " << r.exit_code << " signal " << r.signal;
-    EXPECT_EQ(r.text, "") << "rank " << r.rank;
-  }
-  const std::string dir = RunRoot::path() + "/" + test_options().run_name;
-  auto latest = latest_checkpoint(dir + "/state");
-  ASSERT_TRUE(latest.has_value()) << "no state saved in " << dir;
-  // Raised after step 5; the ranks agree at the next boundary (the check is one step behind).
-  EXPECT_EQ(read_json(*latest + "/state.json")["step"].get<int64_t>(), 6);
-  auto summary = read_json(dir + "/summary.json");
-  EXPECT_EQ(summary["status"], "stopped");
-  EXPECT_EQ(summary["steps"].get<int64_t>(), 6);
-  auto events = of_type(read_jsonl(dir + "/metrics/rank-1.jsonl"), "event");
-  ASSERT_FALSE(events.empty());
-  EXPECT_EQ(events.back()["event"], "stop");
-  EXPECT_EQ(events.back()["signal"].get<int>(), SIGUSR1);
-}
-
-TEST(Signals, WithoutExitTheLoopsEndAndStoppedIsTrue) {
-  EXPECT_EQ(testing::run_ranks(2, [](int rank, int, std::shared_ptr<Store>) {
-    AcceleratorOptions o = test_options();
-    o.exit_on_signal = false;
-    const JobResult r = state_job(o, 100, [rank](Accelerator& a) {
-      if (a.global_step() == 3 && rank == 0) ::raise(SIGTERM);
-    });
-    chorus::clear_pending_signal();
-    // Raised after step 3, the last of epoch 0: the epoch's end agrees at once (blocking check).
-    require(r.stopped && r.trace.size() == 3, "stopped " + std::to_string(r.stopped) + " after " +
-                                                  std::to_string(r.trace.size()) + " steps");
-  }), "");
-}
-
-TEST(Records, PerRankLinesAggregateConfigSummaryAndLogs) {
-  EXPECT_EQ(testing::run_ranks(2, [](int rank, int, std::shared_ptr<Store>) {
-    AcceleratorOptions o = test_options();
-    o.config = {{"lr", 0.1}, {"note", "records test"}};
-    state_job(o, 2);
-    dist::barrier();
-    if (rank != 0) return;
-    const std::string dir = RunRoot::path() + "/" + o.run_name;
-    auto r0 = of_type(read_jsonl(dir + "/metrics/rank-0.jsonl"), "step");
-    auto r1 = of_type(read_jsonl(dir + "/metrics/rank-1.jsonl"), "step");
-    auto all = read_jsonl(dir + "/metrics.jsonl");
-    auto agg = of_type(all, "step");
-    require(r0.size() == 6 && r1.size() == 6 && agg.size() == 6, "step lines: " + std::to_string(r0.size()) + ", " +
-                                                                     std::to_string(r1.size()) + ", aggregate " +
-                                                                     std::to_string(agg.size()));
-    for (size_t i = 0; i < agg.size(); ++i) {
-      for (const char* key : {"epoch", "time", "loss", "lr", "samples", "samples_per_s", "step_ms", "data_ms",
-                              "forward_ms", "backward_ms", "optimizer_ms", "comm_ms", "comm_wait_ms", "hidden"}) {
-        require(agg[i].contains(key) && r0[i].contains(key), std::string("no ") + key + " in step lines");
-      }
-      require(agg[i]["samples"].get<int64_t>() == r0[i]["samples"].get<int64_t>() + r1[i]["samples"].get<int64_t>(),
-              "aggregate samples are not the sum over ranks");
-      const double mean = (r0[i]["loss"].get<double>() + r1[i]["loss"].get<double>()) / 2;
-      require(std::abs(agg[i]["loss"].get<double>() - mean) < 1e-12, "aggregate loss is not the mean over ranks");
-      require(agg[i]["step_ms"].get<double>() ==
-                  std::max(r0[i]["step_ms"].get<double>(), r1[i]["step_ms"].get<double>()),
-              "aggregate step_ms is not the slowest rank's");
-      require(r0[i]["forward_ms"].get<double>() > 0 && r0[i]["backward_ms"].get<double>() > 0 &&
-                  r0[i]["comm_ms"].get<double>() > 0,
-              "phases not measured: " + r0[i].dump());
-    }
-    // 45 items, 23 a rank (one padded): an epoch's steps hold 8 + 8 + 7 samples a rank.
-    require(r0[2]["samples"].get<int64_t>() == 7 && agg[0]["samples"].get<int64_t>() == 16, "samples per step");
-    // User scalars: after the epoch's last step, in rank 0's file and in the aggregate.
-    auto logs = of_type(all, "log");
-    require(logs.size() == 2 && logs[0]["step"].get<int64_t>() == 3 && logs[0]["epoch_items"].get<int64_t>() == 23,
-            "log lines: " + nlohmann::json(logs).dump());
-    size_t log_at = 0;
-    while (all[log_at].value("type", "") != "log") ++log_at;
-    require(all[log_at - 1].value("type", "") == "step" && all[log_at - 1]["step"].get<int64_t>() == 3,
-            "the epoch's log line is not after its last step in the aggregate");
-    auto events = of_type(all, "event");
-    std::vector<std::string> names;
-    for (const auto& e : events) names.push_back(e["event"]);
-    require(names == std::vector<std::string>({"start", "save", "save", "finish"}), "events: " + nlohmann::json(names).dump());
-    auto config = read_json(dir + "/config.json");
-    require(config["run_name"] == o.run_name && config["world_size"] == 2 && config["config"]["note"] == "records test" &&
-                config["accelerator"]["gradient_accumulation_steps"] == 2,
-            "config.json: " + config.dump());
-    auto summary = read_json(dir + "/summary.json");
-    require(summary["status"] == "finished" && summary["steps"] == 6 && summary["samples"].get<double>() == 92 &&
-                summary["last"]["epoch_items"] == 23 && summary["samples_per_s"].get<double>() > 0,
-            "summary.json: " + summary.dump());
-    std::ifstream log0(dir + "/logs/rank-0.log"), log1(dir + "/logs/rank-1.log");
-    std::string text0((std::istreambuf_iterator<char>(log0)), {});
-    require(text0.find("done: 6 steps") != std::string::npos, "rank 0's log: " + text0);
-    require(static_cast<bool>(log1), "no rank-1 log");
   }), "");
 }
 

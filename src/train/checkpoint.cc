@@ -1,4 +1,6 @@
 // Checkpoints: rank 0 writes a new version atomically; load reads on rank 0 and broadcasts.
+// Here the model, optimizer and RNG states become files and back, and the ranks agree on the
+// outcome; the files themselves (writing, versions, verifying, packing) are checkpoint_files.cc.
 //
 // Layout of a checkpoint directory (see docs/checkpoint.md):
 //   <dir>/latest               the name of the current version ("ckpt-000007\n")
@@ -8,10 +10,7 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <caffe2/serialize/inline_container.h>
-#include <dirent.h>
-#include <fcntl.h>
 #include <sys/stat.h>
-#include <unistd.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 #include <torch/serialize.h>
@@ -20,12 +19,9 @@
 #include <torch/csrc/jit/serialization/import_read.h>
 
 #include <algorithm>
-#include <cerrno>
-#include <cinttypes>
-#include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
-#include <iostream>
 #include <mutex>
 #include <set>
 #include <nlohmann/json.hpp>
@@ -33,11 +29,10 @@
 #include <utility>
 #include <vector>
 
-#include "chorus/comm/hash.h"
-#include "chorus/comm/log.h"
+#include "checkpoint_files.h"
+#include "checkpoint_internal.h"
 #include "chorus/comm/random.h"
 #include "chorus/torch/distributed.h"
-#include "checkpoint_internal.h"
 #include "pickle_bounds.h"
 
 namespace chorus::train {
@@ -45,136 +40,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
-
-constexpr const char* kFormat = "chorus-checkpoint";
-constexpr int kFormatVersion = 1;
-constexpr const char* kVersionPrefix = "ckpt-";
-constexpr const char* kTmpPrefix = ".tmp-";
-constexpr const char* kModelFile = "model.pt";
-constexpr const char* kOptimizerFile = "optimizer.pt";
-constexpr const char* kRngFile = "rng.pt";
-constexpr const char* kStateFile = "state.json";
-
-std::string sys_error(const std::string& what, const std::string& path) {
-  return what + " " + path + ": " + std::strerror(errno);
-}
-
-// ---- files --------------------------------------------------------------------------------------
-
-void fsync_path(const std::string& path, bool directory) {
-  int fd = ::open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
-  if (fd < 0) throw CheckpointError(sys_error("cannot open for fsync", path));
-  if (::fsync(fd) != 0) {
-    std::string msg = sys_error("fsync failed on", path);
-    ::close(fd);
-    throw CheckpointError(msg);
-  }
-  ::close(fd);
-}
-
-// Writes a new file (it must not exist) and, when sync is set, fsyncs it before closing.
-void write_file(const std::string& path, const void* data, size_t size, bool sync) {
-  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) throw CheckpointError(sys_error("cannot create", path));
-  const char* p = static_cast<const char*>(data);
-  size_t left = size;
-  while (left > 0) {
-    ssize_t n = ::write(fd, p, left);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      std::string msg = sys_error("cannot write", path);
-      ::close(fd);
-      throw CheckpointError(msg);
-    }
-    p += n;
-    left -= static_cast<size_t>(n);
-  }
-  if (sync && ::fsync(fd) != 0) {
-    std::string msg = sys_error("fsync failed on", path);
-    ::close(fd);
-    throw CheckpointError(msg);
-  }
-  if (::close(fd) != 0) throw CheckpointError(sys_error("cannot close", path));
-}
-
-std::string read_file(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw CheckpointError(sys_error("cannot open", path));
-  std::string out;
-  char buf[1 << 16];
-  for (;;) {
-    ssize_t n = ::read(fd, buf, sizeof(buf));
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      std::string msg = sys_error("cannot read", path);
-      ::close(fd);
-      throw CheckpointError(msg);
-    }
-    if (n == 0) break;
-    out.append(buf, static_cast<size_t>(n));
-  }
-  ::close(fd);
-  return out;
-}
-
-// FNV-1a, 64 bit, as 16 hex digits: catches truncated or damaged files; not a defence against tampering.
-std::string checksum(const std::string& data) {
-  char out[17];
-  std::snprintf(out, sizeof(out), "%016" PRIx64, fnv1a64(data));
-  return out;
-}
-
-// The sequence number of a version directory's name, or -1 if the name is not one.
-int64_t version_seq(const std::string& name) {
-  const size_t n = std::strlen(kVersionPrefix);
-  if (name.size() <= n || name.compare(0, n, kVersionPrefix) != 0) return -1;
-  int64_t seq = 0;
-  for (size_t i = n; i < name.size(); ++i) {
-    if (name[i] < '0' || name[i] > '9' || seq > (INT64_MAX - 9) / 10) return -1;
-    seq = seq * 10 + (name[i] - '0');
-  }
-  return seq;
-}
-
-std::string version_name(int64_t seq) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%s%06" PRId64, kVersionPrefix, seq);
-  return buf;
-}
-
-std::vector<std::pair<int64_t, std::string>> list_versions(const std::string& dir) {
-  std::vector<std::pair<int64_t, std::string>> out;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    std::string name = e.path().filename().string();
-    int64_t seq = version_seq(name);
-    if (seq >= 0 && e.is_directory()) out.emplace_back(seq, name);
-  }
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
-// Resolves `dir` to the directory of its current version; nullopt when there is none.
-std::optional<std::string> resolve_version(const std::string& dir) {
-  if (fs::exists(fs::path(dir) / kStateFile)) return dir;  // dir is one version's directory
-  const fs::path latest = fs::path(dir) / "latest";
-  if (fs::exists(latest)) {
-    std::string name = read_file(latest.string());
-    while (!name.empty() && (name.back() == '\n' || name.back() == '\r' || name.back() == ' ')) name.pop_back();
-    if (version_seq(name) < 0) {
-      throw CheckpointError("checkpoint " + dir + ": 'latest' holds '" + name + "', not a version name");
-    }
-    std::string path = (fs::path(dir) / name).string();
-    if (!fs::is_directory(path)) {
-      throw CheckpointError("checkpoint " + dir + ": 'latest' names " + name + ", which does not exist");
-    }
-    return path;
-  }
-  // No pointer (removed by hand?): every version directory is complete once renamed into place.
-  auto versions = list_versions(dir);
-  if (versions.empty()) return std::nullopt;
-  return (fs::path(dir) / versions.back().second).string();
-}
 
 // ---- model, optimizer, RNG ----------------------------------------------------------------------
 
@@ -327,129 +192,36 @@ ProcessGroup* resolve_group(const CheckpointOptions& options) {
   return dist::is_initialized() ? &dist::default_group() : nullptr;
 }
 
-// Byte strings by name, packed into one string for a single broadcast.
-using Blobs = std::map<std::string, std::string>;
-
-void put_u64(std::string& out, uint64_t v) {
-  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
-}
-
-std::string pack(const Blobs& blobs) {
-  std::string out;
-  for (const auto& [name, data] : blobs) {
-    put_u64(out, name.size());
-    out += name;
-    put_u64(out, data.size());
-    out += data;
-  }
-  return out;
-}
-
-Blobs unpack(const std::string& in) {
-  Blobs out;
-  size_t pos = 0;
-  auto get_u64 = [&]() {
-    if (in.size() - pos < 8) throw CheckpointError("corrupt checkpoint message from rank 0");
-    uint64_t v = 0;
-    for (int i = 0; i < 8; ++i) v |= static_cast<uint64_t>(static_cast<unsigned char>(in[pos + i])) << (8 * i);
-    pos += 8;
-    return v;
-  };
-  auto get_str = [&]() {
-    uint64_t n = get_u64();
-    if (in.size() - pos < n) throw CheckpointError("corrupt checkpoint message from rank 0");
-    std::string s = in.substr(pos, n);
-    pos += n;
-    return s;
-  };
-  while (pos < in.size()) {
-    std::string name = get_str();
-    out[name] = get_str();
-  }
-  return out;
-}
-
 // ---- save on rank 0 -----------------------------------------------------------------------------
-
-// Removes `names` from dir; a leftover only costs space, so say so and go on.
-void remove_entries(const std::string& dir, const std::vector<std::string>& names) {
-  for (const auto& name : names) {
-    std::error_code rec;
-    fs::remove_all(fs::path(dir) / name, rec);
-    if (rec) chorus::log(LogLevel::kWarning, "checkpoint " + dir + ": cannot remove " + name + ": " + rec.message());
-  }
-}
-
-// Temporary directories and files left by writers killed mid-save. One job writes to a directory
-// at a time, so any found before this writer starts are leftovers.
-void sweep_temporaries(const std::string& dir) {
-  std::vector<std::string> names;
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    std::string name = e.path().filename().string();
-    if (name.compare(0, std::strlen(kTmpPrefix), kTmpPrefix) == 0) names.push_back(name);
-  }
-  remove_entries(dir, names);
-}
-
-void prune(const std::string& dir, const std::string& current, int keep_last) {
-  std::vector<std::string> remove;
-  auto versions = list_versions(dir);
-  const size_t keep = static_cast<size_t>(std::max(1, keep_last));
-  for (size_t i = 0; i + keep < versions.size(); ++i) {
-    if (versions[i].second != current) remove.push_back(versions[i].second);
-  }
-  remove_entries(dir, remove);
-  sweep_temporaries(dir);
-}
-
-void create_dir(const std::string& dir) {
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec || !fs::is_directory(dir)) {
-    throw CheckpointError("cannot create checkpoint directory " + dir + ": " +
-                          (ec ? ec.message() : std::string("not a directory")));
-  }
-}
-
-// Creates dir (and parents) and checks that a file can be created in it; throws CheckpointError.
-void make_writable_dir(const std::string& dir) {
-  create_dir(dir);
-  const std::string probe = (fs::path(dir) / (std::string(kTmpPrefix) + "probe-" + random_token().substr(0, 12))).string();
-  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) throw CheckpointError(sys_error("checkpoint directory is not writable: cannot create", probe));
-  ::close(fd);
-  ::unlink(probe.c_str());
-}
 
 void write_version(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer* optimizer,
                    const CheckpointState& state, const std::vector<std::string>& rng_states, int world,
                    const CheckpointOptions& options) {
-  create_dir(dir);
-  sweep_temporaries(dir);
+  ckpt::create_dir(dir);
+  ckpt::sweep_temporaries(dir);
   int64_t seq = 1;
-  auto versions = list_versions(dir);
+  auto versions = ckpt::list_versions(dir);
   if (!versions.empty()) seq = versions.back().first + 1;
-  const std::string name = version_name(seq);
-  const std::string tmp = (fs::path(dir) / (kTmpPrefix + name + "-" + random_token().substr(0, 12))).string();
-  if (::mkdir(tmp.c_str(), 0755) != 0) throw CheckpointError(sys_error("cannot create", tmp));
+  const std::string name = ckpt::version_name(seq);
+  const std::string tmp = (fs::path(dir) / (ckpt::kTmpPrefix + name + "-" + random_token().substr(0, 12))).string();
+  if (::mkdir(tmp.c_str(), 0755) != 0) throw CheckpointError(ckpt::sys_error("cannot create", tmp));
 
   auto hook = [&](const std::string& stage) {
     if (options.on_save_step) options.on_save_step(stage);
   };
   json files = json::object();
   auto write = [&](const char* file, const std::string& bytes) {
-    write_file((fs::path(tmp) / file).string(), bytes.data(), bytes.size(), options.fsync);
-    files[file] = {{"bytes", bytes.size()}, {"fnv1a64", checksum(bytes)}};
+    ckpt::write_file((fs::path(tmp) / file).string(), bytes.data(), bytes.size(), options.fsync);
+    files[file] = {{"bytes", bytes.size()}, {"fnv1a64", ckpt::checksum(bytes)}};
     hook(file);
   };
-  write(kModelFile, model_bytes(model));
-  if (optimizer != nullptr) write(kOptimizerFile, optimizer_bytes(*optimizer));
-  if (!rng_states.empty()) write(kRngFile, rng_bytes(rng_states));
+  write(ckpt::kModelFile, model_bytes(model));
+  if (optimizer != nullptr) write(ckpt::kOptimizerFile, optimizer_bytes(*optimizer));
+  if (!rng_states.empty()) write(ckpt::kRngFile, rng_bytes(rng_states));
 
   // state.json last: it is also the manifest of the files above.
-  json doc = {{"format", kFormat},
-              {"format_version", kFormatVersion},
+  json doc = {{"format", ckpt::kFormat},
+              {"format_version", ckpt::kFormatVersion},
               {"epoch", state.epoch},
               {"step", state.step},
               {"extra", state.extra},
@@ -457,73 +229,28 @@ void write_version(const std::string& dir, torch::nn::Module& model, torch::opti
               {"created_unix", static_cast<int64_t>(::time(nullptr))},
               {"files", files}};
   const std::string text = doc.dump(2) + "\n";
-  write_file((fs::path(tmp) / kStateFile).string(), text.data(), text.size(), options.fsync);
-  hook(kStateFile);
-  if (options.fsync) fsync_path(tmp, true);
+  ckpt::write_file((fs::path(tmp) / ckpt::kStateFile).string(), text.data(), text.size(), options.fsync);
+  hook(ckpt::kStateFile);
+  if (options.fsync) ckpt::fsync_path(tmp, true);
 
   const std::string final_path = (fs::path(dir) / name).string();
   if (::rename(tmp.c_str(), final_path.c_str()) != 0) {
-    throw CheckpointError(sys_error("cannot rename " + tmp + " to", final_path) +
+    throw CheckpointError(ckpt::sys_error("cannot rename " + tmp + " to", final_path) +
                           " (is another job writing to the same checkpoint directory?)");
   }
-  if (options.fsync) fsync_path(dir, true);
+  if (options.fsync) ckpt::fsync_path(dir, true);
   hook("version");
 
-  const std::string latest_tmp = (fs::path(dir) / (std::string(kTmpPrefix) + "latest-" + random_token().substr(0, 12))).string();
+  const std::string latest_tmp =
+      (fs::path(dir) / (std::string(ckpt::kTmpPrefix) + "latest-" + random_token().substr(0, 12))).string();
   const std::string line = name + "\n";
-  write_file(latest_tmp, line.data(), line.size(), options.fsync);
+  ckpt::write_file(latest_tmp, line.data(), line.size(), options.fsync);
   const std::string latest = (fs::path(dir) / "latest").string();
-  if (::rename(latest_tmp.c_str(), latest.c_str()) != 0) throw CheckpointError(sys_error("cannot replace", latest));
-  if (options.fsync) fsync_path(dir, true);
+  if (::rename(latest_tmp.c_str(), latest.c_str()) != 0) throw CheckpointError(ckpt::sys_error("cannot replace", latest));
+  if (options.fsync) ckpt::fsync_path(dir, true);
   hook("latest");
 
-  prune(dir, name, options.keep_last);
-}
-
-// ---- load on rank 0 -----------------------------------------------------------------------------
-
-// Reads and verifies the current version: its files by name plus "state.json". Empty when none.
-Blobs read_version(const std::string& dir) {
-  std::optional<std::string> path = resolve_version(dir);
-  if (!path) return {};
-  Blobs blobs;
-  blobs[kStateFile] = read_file((fs::path(*path) / kStateFile).string());
-  json doc;
-  try {
-    doc = json::parse(blobs[kStateFile]);
-  } catch (const std::exception& e) {
-    throw CheckpointError("checkpoint " + *path + ": state.json is not valid JSON: " + e.what());
-  }
-  if (doc.value("format", "") != kFormat) throw CheckpointError("checkpoint " + *path + ": state.json is not a chorus checkpoint");
-  if (doc.value("format_version", 0) > kFormatVersion) {
-    throw CheckpointError("checkpoint " + *path + ": format version " + std::to_string(doc.value("format_version", 0)) +
-                          " is newer than this chorus reads (" + std::to_string(kFormatVersion) + ")");
-  }
-  for (const auto& [file, meta] : doc.at("files").items()) {
-    // Only files of this version: a name with a '/' could reach any file (a device that never
-    // ends, a file of another user's), none of which save_checkpoint wrote.
-    if (file.empty() || file == "." || file == ".." || file == kStateFile || file.find('/') != std::string::npos) {
-      throw CheckpointError("checkpoint " + *path + ": state.json lists '" + file +
-                            "', which is not a file name of this version (damaged or hand-edited manifest)");
-    }
-    std::string bytes = read_file((fs::path(*path) / file).string());
-    const size_t want = meta.at("bytes").get<size_t>();
-    if (bytes.size() != want || checksum(bytes) != meta.at("fnv1a64").get<std::string>()) {
-      throw CheckpointError("checkpoint " + *path + ": " + file + " is damaged (" + std::to_string(bytes.size()) +
-                            " bytes, manifest says " + std::to_string(want) + ", or its checksum differs)");
-    }
-    blobs[file] = std::move(bytes);
-  }
-  return blobs;
-}
-
-CheckpointState parse_state(const std::string& text) {
-  json doc = json::parse(text);
-  CheckpointState st;
-  st.epoch = doc.at("epoch").get<int64_t>();
-  st.step = doc.at("step").get<int64_t>();
-  st.extra = doc.value("extra", std::map<std::string, std::string>{});
-  return st;
+  ckpt::prune(dir, name, options.keep_last);
 }
 
 // What rank 0 tells the others: "ok", "none" or "error".
@@ -532,7 +259,7 @@ constexpr const char* kMessage = "\x01message";
 
 }  // namespace
 
-std::optional<std::string> latest_checkpoint(const std::string& dir) { return resolve_version(dir); }
+std::optional<std::string> latest_checkpoint(const std::string& dir) { return ckpt::resolve_version(dir); }
 
 void save_checkpoint(const std::string& dir, torch::nn::Module& model, torch::optim::Optimizer* optimizer,
                      const CheckpointState& state, const CheckpointOptions& options) {
@@ -567,10 +294,10 @@ std::optional<CheckpointState> prepare_checkpoint_dir(const std::string& dir, co
   std::string verdict;
   if (rank == 0) {
     try {
-      make_writable_dir(dir);
-      sweep_temporaries(dir);
-      std::optional<std::string> current = resolve_version(dir);
-      verdict = current ? "ok" + read_file((fs::path(*current) / kStateFile).string()) : "none";
+      ckpt::make_writable_dir(dir);
+      ckpt::sweep_temporaries(dir);
+      std::optional<std::string> current = ckpt::resolve_version(dir);
+      verdict = current ? "ok" + ckpt::read_file((fs::path(*current) / ckpt::kStateFile).string()) : "none";
     } catch (const std::exception& e) {
       verdict = std::string("error") + e.what();
     }
@@ -582,7 +309,7 @@ std::optional<CheckpointState> prepare_checkpoint_dir(const std::string& dir, co
   }
   if (verdict == "none") return std::nullopt;
   try {
-    return parse_state(verdict.substr(2));
+    return ckpt::parse_state(verdict.substr(2));
   } catch (const std::exception& e) {
     throw CheckpointError("checkpoint directory " + dir + ": its current version's state.json is unreadable: " +
                           e.what());
@@ -596,18 +323,18 @@ std::optional<CheckpointState> load_checkpoint(const std::string& dir, torch::nn
 
   std::string message;
   if (rank == 0) {
-    Blobs blobs;
+    ckpt::Blobs blobs;
     try {
-      if (fs::is_directory(dir) && !fs::exists(fs::path(dir) / kStateFile)) sweep_temporaries(dir);
-      blobs = read_version(dir);
+      if (fs::is_directory(dir) && !fs::exists(fs::path(dir) / ckpt::kStateFile)) ckpt::sweep_temporaries(dir);
+      blobs = ckpt::read_version(dir);
       blobs[kStatus] = blobs.empty() ? "none" : "ok";
     } catch (const std::exception& e) {
       blobs = {{kStatus, "error"}, {kMessage, e.what()}};
     }
-    message = pack(blobs);
+    message = ckpt::pack(blobs);
   }
   if (group) message = dist::broadcast_object(message, 0, group);
-  Blobs blobs = unpack(message);
+  ckpt::Blobs blobs = ckpt::unpack(message);
   const std::string status = blobs[kStatus];
   if (status == "none") return std::nullopt;
   if (status != "ok") {
@@ -619,17 +346,17 @@ std::optional<CheckpointState> load_checkpoint(const std::string& dir, torch::nn
   CheckpointState st;
   std::string error;
   try {
-    st = parse_state(blobs.at(kStateFile));
-    load_model(blobs.at(kModelFile), model);
+    st = ckpt::parse_state(blobs.at(ckpt::kStateFile));
+    load_model(blobs.at(ckpt::kModelFile), model);
     if (optimizer != nullptr) {
-      auto it = blobs.find(kOptimizerFile);
+      auto it = blobs.find(ckpt::kOptimizerFile);
       if (it == blobs.end()) {
         throw CheckpointError("the checkpoint holds no optimizer state (saved with optimizer == nullptr); "
                               "pass nullptr to load it without one");
       }
       load_optimizer(it->second, *optimizer);
     }
-    if (auto it = blobs.find(kRngFile); it != blobs.end()) load_rng(it->second, rank);
+    if (auto it = blobs.find(ckpt::kRngFile); it != blobs.end()) load_rng(it->second, rank);
   } catch (const std::exception& e) {
     error = e.what();
     if (error.empty()) error = "unknown error";
@@ -647,9 +374,9 @@ std::optional<CheckpointState> load_checkpoint(const std::string& dir, torch::nn
 
 namespace detail {
 
-CheckpointFiles read_checkpoint_files(const std::string& dir) { return read_version(dir); }
-CheckpointFiles unpack_checkpoint_message(const std::string& message) { return unpack(message); }
-CheckpointState parse_checkpoint_state(const std::string& state_json) { return parse_state(state_json); }
+CheckpointFiles read_checkpoint_files(const std::string& dir) { return ckpt::read_version(dir); }
+CheckpointFiles unpack_checkpoint_message(const std::string& message) { return ckpt::unpack(message); }
+CheckpointState parse_checkpoint_state(const std::string& state_json) { return ckpt::parse_state(state_json); }
 void load_checkpoint_model(const std::string& model_pt, torch::nn::Module& model) { load_model(model_pt, model); }
 void load_checkpoint_rng(const std::string& rng_pt, int rank) { load_rng(rng_pt, rank); }
 

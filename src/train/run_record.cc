@@ -281,14 +281,15 @@ void Progress::close() {
 
 namespace chorus::train {
 
-bool stdout_rewrites_in_place() {
-  if (::isatty(1) == 0) return false;
-  const char* term = std::getenv("TERM");
-  if (term != nullptr && std::strcmp(term, "dumb") == 0) return false;
+bool stdout_rewrites_in_place(const Environment& env, bool stdout_is_terminal) {
+  if (!stdout_is_terminal) return false;
+  if (auto term = env.find("TERM"); term != env.end() && term->second == "dumb") return false;
   for (const char* relay : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "SLURM_STEP_ID", "SLURM_STEPID"}) {
-    if (std::getenv(relay) != nullptr) return false;
+    if (env.count(relay) != 0) return false;
   }
   return true;
 }
+
+bool stdout_rewrites_in_place() { return stdout_rewrites_in_place(current_environment(), ::isatty(1) != 0); }
 
 }  // namespace chorus::train

@@ -9,8 +9,11 @@
 #include <string>
 #include <vector>
 
+#include "chorus/comm/environment.h"
+
 namespace chorus::train {
 // Defined in run_record.cc; declared for users in chorus/train/accelerator.h.
+bool stdout_rewrites_in_place(const Environment& env, bool stdout_is_terminal);
 bool stdout_rewrites_in_place();
 }  // namespace chorus::train
 

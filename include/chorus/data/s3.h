@@ -35,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "chorus/comm/environment.h"
 #include "chorus/comm/error.h"
 
 namespace chorus::data {
@@ -67,9 +68,11 @@ struct S3Options {
   std::string cache_dir;                            // "" = no cache
   std::uint64_t cache_max_bytes = 10ull << 30;      // LRU-evicted beyond this; objects larger are not kept
 
-  // The standard variables: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN,
-  // AWS_REGION (else AWS_DEFAULT_REGION, else us-east-1), AWS_ENDPOINT_URL. Set fields afterwards to
-  // override them. The only place chorus's S3 code reads the environment.
+  // The standard variables of `env`: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN,
+  // AWS_REGION (else AWS_DEFAULT_REGION, else us-east-1; an empty one counts as unset),
+  // AWS_ENDPOINT_URL. Set fields afterwards to override them. Pure: reads only `env`.
+  static S3Options from_env(const Environment& env);
+  // The same from this process's environment (current_environment()).
   static S3Options from_env();
 };
 

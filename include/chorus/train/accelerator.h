@@ -98,6 +98,7 @@
 #include <utility>
 #include <vector>
 
+#include "chorus/comm/environment.h"
 #include "chorus/comm/error.h"
 #include "chorus/data/evaluation.h"
 #include "chorus/data/loader.h"
@@ -664,7 +665,11 @@ void PreparedDataLoader<Dataset, Loader>::on_batch(int64_t position) {
 
 // Whether stdout shows a line rewritten in place: a terminal, not TERM=dumb, and not a rank of
 // mpirun or srun (they relay a pseudo-terminal's output line by line into logs, where "\r" and
-// escape codes arrive as garbage). The Accelerator's progress bar is drawn only then.
+// escape codes arrive as garbage; a relay's variable counts when set, even to ""). The
+// Accelerator's progress bar is drawn only then. Pure: decided from `env` and whether stdout is a
+// terminal.
+bool stdout_rewrites_in_place(const Environment& env, bool stdout_is_terminal);
+// The same for this process: its environment (current_environment()) and isatty(1).
 bool stdout_rewrites_in_place();
 
 // Intra-op threads of this process: torch::set_num_threads, and OpenBLAS's own pool when OpenBLAS
@@ -678,10 +683,13 @@ void set_num_threads(int threads);
 // mmap threshold (128 KiB at first; it rises only when such a block is freed) are mapped afresh
 // and unmapped every step, and every first touch of their pages is a page fault: ResNet-18 at 64 px
 // trained 3-4x slower on this project's machine (docs/accelerator.md). Memory then stays at the
-// loop's peak instead of falling between steps. Process-wide; the Accelerator calls it unless
-// AcceleratorOptions::tune_malloc is false. Returns false and changes nothing when
-// CHORUS_MALLOC_TUNING=0, or MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_ is set (the user's own
-// settings win); true when applied (again: idempotent).
+// loop's peak instead of falling between steps. Process-wide; the Accelerator calls it, with its
+// snapshot of the environment, unless AcceleratorOptions::tune_malloc is false. Returns false and
+// changes nothing when `env` has CHORUS_MALLOC_TUNING=0, or MALLOC_MMAP_THRESHOLD_ or
+// MALLOC_TRIM_THRESHOLD_ set, even to "" (the user's own settings, which glibc read at startup,
+// win); true when applied (again: idempotent).
+bool tune_malloc_for_training(const Environment& env);
+// The same with this process's environment (current_environment()).
 bool tune_malloc_for_training();
 
 // Runs `train` as one rank of a job and returns main()'s exit status. In a process a launcher
