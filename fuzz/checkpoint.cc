@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "fuzz_files.h"
+#include "fuzz_torch.h"
 #include "train/checkpoint_internal.h"
 
 namespace {
@@ -64,6 +65,7 @@ void write_seed_checkpoint(const char* dir) {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  chorus_fuzz::cheap_torch_errors();
   static const bool seeded = [] {
     if (const char* dir = std::getenv("CHORUS_FUZZ_WRITE_CHECKPOINT")) write_seed_checkpoint(dir);
     return true;

@@ -17,6 +17,7 @@
 
 #include "chorus/models/state_dict.h"
 #include "fuzz_files.h"
+#include "fuzz_torch.h"
 #include "models/pickle_reader.h"
 
 namespace models = chorus::models;
@@ -54,6 +55,7 @@ void check(const models::StateDict& dict) {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  chorus_fuzz::cheap_torch_errors();
   try {
     if (size >= 4 && std::memcmp(data, "PK\x03\x04", 4) == 0) {
       const std::string path = chorus_fuzz::write_input("state_dict.pt", data, size);
