@@ -230,6 +230,16 @@ void make_writable_dir(const std::string& dir) {
   ::unlink(probe.c_str());
 }
 
+// An integer of state.json. nlohmann turns a JSON float into an integer with a C++ cast, which is
+// undefined behaviour out of range (format_version 1.2e51: found by fuzz_checkpoint, regression
+// input fuzz/corpus/checkpoint/regression-float-format-version).
+static int64_t json_int(const json& v, const std::string& what) {
+  if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t{INT64_MAX})) {
+    throw CheckpointError("state.json: " + what + " is " + v.dump() + ", not an integer (damaged or hand-edited)");
+  }
+  return v.get<int64_t>();
+}
+
 Blobs read_version(const std::string& dir) {
   std::optional<std::string> path = resolve_version(dir);
   if (!path) return {};
@@ -242,8 +252,9 @@ Blobs read_version(const std::string& dir) {
     throw CheckpointError("checkpoint " + *path + ": state.json is not valid JSON: " + e.what());
   }
   if (doc.value("format", "") != kFormat) throw CheckpointError("checkpoint " + *path + ": state.json is not a chorus checkpoint");
-  if (doc.value("format_version", 0) > kFormatVersion) {
-    throw CheckpointError("checkpoint " + *path + ": format version " + std::to_string(doc.value("format_version", 0)) +
+  const int64_t version = doc.contains("format_version") ? json_int(doc["format_version"], "format_version") : 0;
+  if (version > kFormatVersion) {
+    throw CheckpointError("checkpoint " + *path + ": format version " + std::to_string(version) +
                           " is newer than this chorus reads (" + std::to_string(kFormatVersion) + ")");
   }
   for (const auto& [file, meta] : doc.at("files").items()) {
@@ -254,7 +265,9 @@ Blobs read_version(const std::string& dir) {
                             "', which is not a file name of this version (damaged or hand-edited manifest)");
     }
     std::string bytes = read_file((fs::path(*path) / file).string());
-    const size_t want = meta.at("bytes").get<size_t>();
+    const int64_t want_bytes = json_int(meta.at("bytes"), file + "'s bytes");
+    if (want_bytes < 0) throw CheckpointError("checkpoint " + *path + ": state.json gives " + file + " a negative size");
+    const size_t want = static_cast<size_t>(want_bytes);
     if (bytes.size() != want || checksum(bytes) != meta.at("fnv1a64").get<std::string>()) {
       throw CheckpointError("checkpoint " + *path + ": " + file + " is damaged (" + std::to_string(bytes.size()) +
                             " bytes, manifest says " + std::to_string(want) + ", or its checksum differs)");
@@ -267,8 +280,8 @@ Blobs read_version(const std::string& dir) {
 CheckpointState parse_state(const std::string& text) {
   json doc = json::parse(text);
   CheckpointState st;
-  st.epoch = doc.at("epoch").get<int64_t>();
-  st.step = doc.at("step").get<int64_t>();
+  st.epoch = json_int(doc.at("epoch"), "epoch");
+  st.step = json_int(doc.at("step"), "step");
   st.extra = doc.value("extra", std::map<std::string, std::string>{});
   return st;
 }

@@ -1,6 +1,7 @@
 // check_pickle_bounds on hand-made pickles: what libtorch's pickler writes passes; claims beyond the
 // bytes left, memo indices past the entries stored, truncation and a missing STOP are refused.
-// (checkpoint_test round-trips real model.pt and rng.pt files through it.)
+// (checkpoint_test round-trips real model.pt and rng.pt files through it.) Also state.json's
+// integers, which must be JSON integers.
 
 #include "pickle_bounds.h"
 
@@ -8,6 +9,7 @@
 
 #include <string>
 
+#include "checkpoint_internal.h"
 #include "chorus/train/checkpoint.h"
 
 namespace chorus::train::detail {
@@ -71,6 +73,15 @@ TEST(PickleBounds, TruncatedArgumentsAndAMissingStopAreRefused) {
 
 TEST(PickleBounds, AnOpcodeItDoesNotKnowLeavesTheRestToTheUnpickler) {
   EXPECT_NO_THROW(check("\x80\x02\xff" "X" + u32(0xFFFFFFFFu)));
+}
+
+TEST(CheckpointStateJson, IntegersMustBeJsonIntegers) {
+  EXPECT_EQ(parse_checkpoint_state(R"({"epoch": 3, "step": 1234})").step, 1234);
+  // A float out of int64's range was converted by a C++ cast (undefined behaviour; fuzz_checkpoint).
+  for (const char* bad : {R"({"epoch": 1.2e51, "step": 1})", R"({"epoch": 1, "step": 2.5})",
+                          R"({"epoch": 18446744073709551615, "step": 1})", R"({"epoch": "3", "step": 1})"}) {
+    EXPECT_THROW(parse_checkpoint_state(bad), CheckpointError) << bad;
+  }
 }
 
 }  // namespace
