@@ -83,6 +83,7 @@ std::string join_some(const std::vector<std::string>& names) {
 // checks every read and throws instead.
 // Its data.pkl goes through check_pickle_bounds first (pickle_bounds.h).
 torch::IValue pickle_load_checked(const std::string& bytes, const std::string& what) {
+  detail::check_zip_sizes(bytes.data(), bytes.size(), what);
   std::istringstream in(bytes);
   caffe2::serialize::PyTorchStreamReader archive(&in);
   {

@@ -99,7 +99,53 @@ class Walker {
   uint64_t memo_ = 0;  // entries stored so far
 };
 
+uint64_t le_at(const char* p, size_t bytes) {
+  uint64_t v = 0;
+  for (size_t i = 0; i < bytes; ++i) v |= static_cast<uint64_t>(static_cast<unsigned char>(p[i])) << (8 * i);
+  return v;
+}
+
+// The uncompressed size in a central directory entry's zip64 extra field, or `fallback`.
+uint64_t zip64_size(const char* extra, size_t n, uint64_t fallback) {
+  for (size_t at = 0; at + 4 <= n;) {
+    const uint64_t id = le_at(extra + at, 2), len = le_at(extra + at + 2, 2);
+    if (at + 4 + len > n) break;
+    if (id == 1 && len >= 8) return le_at(extra + at + 4, 8);
+    at += 4 + len;
+  }
+  return fallback;
+}
+
 }  // namespace
+
+void check_zip_sizes(const char* zip, size_t size, const std::string& what) {
+  constexpr size_t kEocd = 22, kEntry = 46;
+  if (size < kEocd) return;
+  // The end-of-central-directory record: the last signature within 64 KiB + 22 bytes of the end.
+  size_t eocd = size - kEocd + 1;
+  const size_t lowest = size > kEocd + 65535 ? size - kEocd - 65535 : 0;
+  do {
+    --eocd;
+    if (le_at(zip + eocd, 4) == 0x06054b50) break;
+  } while (eocd > lowest);
+  if (le_at(zip + eocd, 4) != 0x06054b50) return;
+  const uint64_t entries = le_at(zip + eocd + 10, 2), dir = le_at(zip + eocd + 16, 4);
+  size_t at = static_cast<size_t>(dir);
+  for (uint64_t e = 0; e < entries; ++e) {
+    if (dir == 0xffffffffu || at > size || size - at < kEntry || le_at(zip + at, 4) != 0x02014b50) return;
+    const uint64_t method = le_at(zip + at + 10, 2);
+    const uint64_t name = le_at(zip + at + 28, 2), extra = le_at(zip + at + 30, 2), comment = le_at(zip + at + 32, 2);
+    if (size - at - kEntry < name + extra + comment) return;
+    uint64_t claimed = le_at(zip + at + 24, 4);
+    if (claimed == 0xffffffffu) claimed = zip64_size(zip + at + kEntry + name, static_cast<size_t>(extra), claimed);
+    const uint64_t most = static_cast<uint64_t>(size) * (method == 0 ? 1 : 1032);
+    if (claimed > most) {
+      throw CheckpointError(what + " is damaged: its zip entry '" + std::string(zip + at + kEntry, static_cast<size_t>(name)) +
+                            "' claims " + std::to_string(claimed) + " bytes in an archive of " + std::to_string(size));
+    }
+    at += kEntry + static_cast<size_t>(name + extra + comment);
+  }
+}
 
 void check_pickle_bounds(const char* pickle, size_t size, const std::string& what) { Walker(pickle, size, what).run(); }
 

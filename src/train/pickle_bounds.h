@@ -18,4 +18,11 @@ namespace chorus::train::detail {
 // the unpickler refuses them itself.
 void check_pickle_bounds(const char* pickle, size_t size, const std::string& what);
 
+// Throws CheckpointError naming `what` when an entry of the zip archive `zip` claims an
+// uncompressed size that its bytes cannot hold (more than the archive for a stored entry, more
+// than deflate's 1032:1 for a compressed one): libtorch's PyTorchStreamReader::getRecord
+// allocates that size before it extracts (4 GB for a damaged model.pt of a few KB, found by
+// fuzz_checkpoint). An archive whose directory it cannot read is left to the zip reader.
+void check_zip_sizes(const char* zip, size_t size, const std::string& what);
+
 }  // namespace chorus::train::detail

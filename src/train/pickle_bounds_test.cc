@@ -75,6 +75,36 @@ TEST(PickleBounds, AnOpcodeItDoesNotKnowLeavesTheRestToTheUnpickler) {
   EXPECT_NO_THROW(check("\x80\x02\xff" "X" + u32(0xFFFFFFFFu)));
 }
 
+// A zip of one entry: `pad` bytes of local data, the central directory entry, the end record.
+std::string zip_with_entry(uint32_t method, uint32_t uncompressed, size_t pad) {
+  auto u16 = [](uint32_t v) { return std::string{static_cast<char>(v & 0xff), static_cast<char>(v >> 8)}; };
+  const std::string name = "archive/data.pkl";
+  std::string z(pad, 'x');
+  const uint32_t dir = static_cast<uint32_t>(z.size());
+  z += u32(0x02014b50) + u16(20) + u16(20) + u16(0) + u16(method) + u16(0) + u16(0) + u32(0) + u32(10) +
+       u32(uncompressed) + u16(static_cast<uint32_t>(name.size())) + u16(0) + u16(0) + u16(0) + u16(0) + u32(0) +
+       u32(0) + name;
+  const uint32_t dir_size = static_cast<uint32_t>(z.size()) - dir;
+  z += u32(0x06054b50) + u16(0) + u16(0) + u16(1) + u16(1) + u32(dir_size) + u32(dir) + u16(0);
+  return z;
+}
+
+TEST(ZipSizes, AnEntryClaimingMoreThanTheArchiveCanHoldIsRefused) {
+  EXPECT_NO_THROW(check_zip_sizes(zip_with_entry(0, 100, 200).data(), zip_with_entry(0, 100, 200).size(), "model.pt"));
+  const std::string stored = zip_with_entry(0, 0xff000000u, 200);
+  try {
+    check_zip_sizes(stored.data(), stored.size(), "model.pt");
+    ADD_FAILURE() << "a 4 GB stored entry in a small archive passed";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("zip entry 'archive/data.pkl' claims 4278190080 bytes"), std::string::npos)
+        << e.what();
+  }
+  const std::string deflated = zip_with_entry(8, 100000, 200);  // within deflate's 1032:1
+  EXPECT_NO_THROW(check_zip_sizes(deflated.data(), deflated.size(), "model.pt"));
+  const std::string not_a_zip = "no central directory here";
+  EXPECT_NO_THROW(check_zip_sizes(not_a_zip.data(), not_a_zip.size(), "model.pt"));  // the zip reader refuses it
+}
+
 TEST(CheckpointStateJson, IntegersMustBeJsonIntegers) {
   EXPECT_EQ(parse_checkpoint_state(R"({"epoch": 3, "step": 1234})").step, 1234);
   // A float out of int64's range was converted by a C++ cast (undefined behaviour; fuzz_checkpoint).
