@@ -129,10 +129,21 @@ void check_zip_sizes(const char* zip, size_t size, const std::string& what) {
     if (le_at(zip + eocd, 4) == 0x06054b50) break;
   } while (eocd > lowest);
   if (le_at(zip + eocd, 4) != 0x06054b50) return;
-  const uint64_t entries = le_at(zip + eocd + 10, 2), dir = le_at(zip + eocd + 16, 4);
+  uint64_t entries = le_at(zip + eocd + 10, 2), dir = le_at(zip + eocd + 16, 4);
+  // As miniz (libtorch's zip reader) does: when a zip64 locator sits right before the end record
+  // and points at a zip64 end record, the entry count and directory offset come from that record,
+  // whatever the plain end record says (torch.save writes both).
+  constexpr size_t kLocator = 20, kEocd64 = 56;
+  if (eocd >= kLocator && size >= kEocd64 && le_at(zip + eocd - kLocator, 4) == 0x07064b50) {
+    const uint64_t eocd64 = le_at(zip + eocd - kLocator + 8, 8);
+    if (eocd64 <= size - kEocd64 && le_at(zip + eocd64, 4) == 0x06064b50) {
+      entries = le_at(zip + eocd64 + 32, 8);
+      dir = le_at(zip + eocd64 + 48, 8);
+    }
+  }
   size_t at = static_cast<size_t>(dir);
   for (uint64_t e = 0; e < entries; ++e) {
-    if (dir == 0xffffffffu || at > size || size - at < kEntry || le_at(zip + at, 4) != 0x02014b50) return;
+    if (dir >= size || at > size || size - at < kEntry || le_at(zip + at, 4) != 0x02014b50) return;
     const uint64_t method = le_at(zip + at + 10, 2);
     const uint64_t name = le_at(zip + at + 28, 2), extra = le_at(zip + at + 30, 2), comment = le_at(zip + at + 32, 2);
     if (size - at - kEntry < name + extra + comment) return;

@@ -105,6 +105,36 @@ TEST(ZipSizes, AnEntryClaimingMoreThanTheArchiveCanHoldIsRefused) {
   EXPECT_NO_THROW(check_zip_sizes(not_a_zip.data(), not_a_zip.size(), "model.pt"));  // the zip reader refuses it
 }
 
+// zip_with_entry's archive with the zip64 end record and locator torch.save writes before the end
+// record, and the plain end record's directory offset damaged: a reader going by the zip64 record
+// (miniz, libtorch's) still finds the entry.
+std::string zip64_with_entry(uint32_t uncompressed) {
+  auto u16 = [](uint32_t v) { return std::string{static_cast<char>(v & 0xff), static_cast<char>(v >> 8)}; };
+  auto u64 = [](uint64_t v) { return u32(static_cast<uint32_t>(v)) + u32(static_cast<uint32_t>(v >> 32)); };
+  std::string z = zip_with_entry(0, uncompressed, 200);
+  const size_t end = z.size() - 22;
+  const uint64_t dir = 200, dir_size = end - dir;
+  std::string tail = z.substr(end);
+  z.resize(end);
+  const uint64_t eocd64 = z.size();
+  z += u32(0x06064b50) + u64(44) + u16(45) + u16(45) + u32(0) + u32(0) + u64(1) + u64(1) + u64(dir_size) + u64(dir);
+  z += u32(0x07064b50) + u32(0) + u64(eocd64) + u32(1);
+  tail.replace(16, 4, u32(430592));  // the plain record's directory offset, past the end
+  return z + tail;
+}
+
+TEST(ZipSizes, TheZip64EndRecordIsWhatCounts) {
+  const std::string ok = zip64_with_entry(100);
+  EXPECT_NO_THROW(check_zip_sizes(ok.data(), ok.size(), "model.pt"));
+  const std::string bomb = zip64_with_entry(0xff000060u);  // found by fuzz_checkpoint (regression-zip64-directory)
+  try {
+    check_zip_sizes(bomb.data(), bomb.size(), "model.pt");
+    ADD_FAILURE() << "an entry found through the zip64 end record was not checked";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("claims 4278190176 bytes"), std::string::npos) << e.what();
+  }
+}
+
 TEST(CheckpointStateJson, IntegersMustBeJsonIntegers) {
   EXPECT_EQ(parse_checkpoint_state(R"({"epoch": 3, "step": 1234})").step, 1234);
   // A float out of int64's range was converted by a C++ cast (undefined behaviour; fuzz_checkpoint).
