@@ -14,6 +14,12 @@
 // - With find_unused_parameters, a bitmap of the parameters each rank used since the last
 //   synchronised backward is reduced (max) along with the buckets; a parameter no rank used keeps
 //   its .grad as it was (undefined stays undefined), so optimizers skip it as PyTorch's do.
+// - join() (uneven inputs) follows PyTorch's Join with DDP as its joinable, checked by
+//   src/ddp/join_parity_test.py: each forward inside a join starts with a round (one allgather of
+//   "still training" and "will synchronise" per rank, where PyTorch runs three allreduces); a rank
+//   that has finished answers every round, shadows the buffers' broadcast (from the highest rank
+//   still training) and each synchronised backward's bucket allreduces with zeros; at the end the
+//   highest of the ranks that finished last broadcasts parameters and buffers to all.
 #include "chorus/ddp/ddp.h"
 
 #include <ATen/ATen.h>
@@ -30,7 +36,9 @@
 #include <unordered_map>
 
 #include "bucket_plan.h"
+#include "chorus/comm/check.h"
 #include "chorus/comm/error.h"
+#include "chorus/comm/log.h"
 #include "chorus/torch/distributed.h"
 
 namespace chorus::ddp {
@@ -77,6 +85,13 @@ struct Bucket {
   std::shared_ptr<Work> work;
 };
 
+// What a join round tells every rank (Reducer::Impl::join_round).
+struct JoinRound {
+  int flagged = 0;       // ranks whose first value was 1 (still training; at the end: finished last)
+  int highest = -1;      // the highest of them
+  bool any_sync = false; // some rank still training will synchronise its backward
+};
+
 }  // namespace
 
 struct Reducer::Impl {
@@ -98,6 +113,9 @@ struct Reducer::Impl {
   bool overlap = true;  // bucket allreduces run on the group's worker thread (Options::overlap)
   bool sync = true;
   bool in_backward = false;
+  bool joining = false;  // inside join(): every forward starts with a join round
+  JoinOptions join_opts;
+  int divisor = 1;       // what gradients are divided by: the world size, or the ranks still training
   Clock::time_point backward_start;
   Stats stats;
   std::vector<std::vector<size_t>> assignment;
@@ -152,25 +170,90 @@ struct Reducer::Impl {
     }
   }
 
-  void broadcast_from_rank0(std::vector<at::Tensor>& tensors) {
+  void broadcast_from(int root, std::vector<at::Tensor>& tensors) {
     if (world == 1 || tensors.empty()) return;
     std::vector<std::shared_ptr<Work>> works;
-    for (auto& t : tensors) works.push_back(dist::broadcast(t, 0, pg, /*async_op=*/true));
+    for (auto& t : tensors) works.push_back(dist::broadcast(t, root, pg, /*async_op=*/true));
     for (auto& w : works) w->wait();
   }
 
   void launch(Bucket& b) {
-    const int64_t n = b.flat.numel();
     if (b.wire.defined()) {
       // Divide first, in full precision, so the float16 sum cannot overflow where the average fits.
-      b.flat.div_(world);
+      b.flat.div_(divisor);
       b.wire.copy_(b.flat);
       b.work = dist::all_reduce(b.wire, ReduceOp::kSum, pg, /*async_op=*/true);
-    } else {
+    } else if (divisor == world) {
       b.work = dist::all_reduce(b.flat, ReduceOp::kAvg, pg, /*async_op=*/true);
+    } else {
+      b.flat.div_(divisor);  // join with divide_by_initial_world_size = false
+      b.work = dist::all_reduce(b.flat, ReduceOp::kSum, pg, /*async_op=*/true);
     }
-    (void)n;
     if (!overlap) b.work->wait();  // runs it here, in order; finalize() collects its time
+  }
+
+  // One allgather of two integers per rank; every rank learns who raised `flag` (still training,
+  // or at the end: finished last) and whether any of them will synchronise its backward.
+  JoinRound join_round(bool flag, bool will_sync) {
+    const int64_t mine[2] = {flag ? 1 : 0, will_sync ? 1 : 0};
+    std::vector<int64_t> all(2 * static_cast<size_t>(world));
+    pg->allgather(mine, all.data(), 2, DataType::kInt64)->wait();
+    JoinRound round;
+    for (int r = 0; r < world; ++r) {
+      if (all[2 * r] == 0) continue;
+      round.flagged++;
+      round.highest = r;
+      round.any_sync = round.any_sync || all[2 * r + 1] != 0;
+    }
+    return round;
+  }
+
+  // A finished rank's part in a synchronised backward of the ranks still training: the same
+  // allreduces in the same order, of zeros (finalize() without gradients).
+  void shadow_backward() {
+    torch::NoGradGuard no_grad;
+    for (auto& b : buckets) {
+      b.flat.zero_();
+      launch(b);
+    }
+    std::shared_ptr<Work> used_work;
+    at::Tensor unused;
+    if (opts.find_unused_parameters && world > 1) {
+      unused = at::zeros({static_cast<int64_t>(params.size())}, at::kByte);
+      used_work = dist::all_reduce(unused, ReduceOp::kMax, pg, /*async_op=*/true);
+    }
+    for (auto& b : buckets) {
+      if (b.work) b.work->wait();
+      b.work.reset();
+    }
+    if (used_work) used_work->wait();
+  }
+
+  // The shadowing loop of a rank whose join body returned, then the final model broadcast.
+  void finish_join() {
+    bool finished_last = true;
+    for (int64_t rounds = 1;; ++rounds) {
+      const JoinRound round = join_round(false, false);
+      if (round.flagged == 0) break;
+      finished_last = false;
+      if (join_opts.throw_on_early_termination) {
+        throw UnevenInputsError(me() + " ran out of data while " + std::to_string(round.flagged) +
+                                " rank(s) still train (join with throw_on_early_termination): every rank stops");
+      }
+      if (rounds == 1000) {
+        log(LogLevel::kWarning, me() + " has shadowed 1000 steps of the ranks still training since its data "
+                                       "ran out: inputs this uneven waste that time (balance the shards)");
+      }
+      divisor = join_opts.divide_by_initial_world_size ? world : round.flagged;
+      torch::NoGradGuard no_grad;
+      if (opts.broadcast_buffers) broadcast_from(round.highest, buffers);
+      if (round.any_sync) shadow_backward();
+    }
+    const JoinRound last = join_round(finished_last, false);
+    CHORUS_CHECK(last.highest >= 0, "join: no rank finished last");
+    torch::NoGradGuard no_grad;
+    broadcast_from(last.highest, state);
+    broadcast_from(last.highest, buffers);
   }
 
   void launch_ready() {
@@ -384,14 +467,15 @@ Reducer::Reducer(torch::nn::Module& module, Options options) : impl_(std::make_u
   m.opts = options;
   m.pg = options.group != nullptr ? options.group : &dist::default_group();
   m.world = m.pg->size();
+  m.divisor = m.world;
   m.overlap = options.overlap == Options::Overlap::kAlways;
   m.collect(module);
   m.check_agreement();
   {
     // Every parameter, frozen ones too (a backbone loaded on rank 0 only), and every buffer.
     torch::NoGradGuard no_grad;
-    m.broadcast_from_rank0(m.state);
-    m.broadcast_from_rank0(m.buffers);
+    m.broadcast_from(0, m.state);
+    m.broadcast_from(0, m.buffers);
   }
   m.build_buckets();
   if (options.gradient_as_bucket_view) m.view_grads_in_buckets();
@@ -402,10 +486,36 @@ Reducer::~Reducer() { *impl_->alive = false; }
 
 void Reducer::prepare_forward() {
   Impl& m = *impl_;
+  int buffer_root = 0;
+  if (m.joining) {
+    const JoinRound round = m.join_round(true, m.sync && at::GradMode::is_enabled());
+    if (m.join_opts.throw_on_early_termination && round.flagged < m.world) {
+      throw UnevenInputsError(m.me() + ": " + std::to_string(m.world - round.flagged) +
+                              " rank(s) ran out of data (join with throw_on_early_termination): every rank stops");
+    }
+    m.divisor = m.join_opts.divide_by_initial_world_size ? m.world : round.flagged;
+    buffer_root = round.highest;  // rank 0 may have finished: its buffers are stale
+  }
   if (m.opts.broadcast_buffers && m.world > 1 && !m.buffers.empty()) {
     torch::NoGradGuard no_grad;
-    m.broadcast_from_rank0(m.buffers);
+    m.broadcast_from(buffer_root, m.buffers);
   }
+}
+
+void Reducer::join(const std::function<void()>& body, JoinOptions options) {
+  Impl& m = *impl_;
+  if (m.joining) throw UsageError(m.me() + ": join() is already running on this model (it is not reentrant)");
+  struct Reset {
+    Impl& m;
+    ~Reset() {
+      m.joining = false;
+      m.divisor = m.world;
+    }
+  } reset{m};
+  m.joining = true;
+  m.join_opts = options;
+  body();
+  m.finish_join();
 }
 
 Reducer::NoSync::NoSync(Reducer& r) : r_(r), previous_(r.impl_->sync) { r.impl_->sync = false; }

@@ -23,18 +23,21 @@
 //   undefined .grad stays undefined, so optimizers skip it), as in PyTorch.
 // - Threading: one backward at a time per DDP object. Errors from the collectives (timeouts, dead
 //   peers) surface as chorus::Error from backward() or the next forward().
+// - Uneven inputs: inside join() ranks may run different numbers of iterations (see join below).
 #pragma once
 
 #include <torch/nn/module.h>
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "chorus/comm/error.h"
 #include "chorus/comm/process_group.h"
 
 namespace chorus::ddp {
@@ -63,6 +66,24 @@ struct Options {
   enum class Overlap { kAlways, kNever };
   Overlap overlap = Overlap::kAlways;
   ProcessGroup* group = nullptr;   // nullptr = chorus::dist's default group
+};
+
+// Uneven inputs (PyTorch's `with ddp.join(...)`): see Reducer::join.
+struct JoinOptions {
+  // true: gradients are divided by the world size the job started with, the ranks that have
+  // finished contributing zeros (PyTorch's default). false: divided by the number of ranks still
+  // training, so each step's gradient is the mean over the ranks that had data for it.
+  bool divide_by_initial_world_size = true;
+  // true: once any rank runs out of data, every rank throws UnevenInputsError at its next step
+  // (the ranks still training from forward(), the finished ones from join()), instead of going on.
+  bool throw_on_early_termination = false;
+};
+
+// Thrown on every rank of a join() with throw_on_early_termination once one rank ran out of data.
+// The group is still usable: every rank stopped after the same collective.
+class UnevenInputsError : public Error {
+ public:
+  using Error::Error;
 };
 
 // Statistics of the last synchronised backward, for benchmarks and tuning.
@@ -100,6 +121,23 @@ class Reducer {
   };
   NoSync no_sync() { return NoSync(*this); }
 
+  // Runs `body` (this rank's training loop over its own data) in a join: ranks may run different
+  // numbers of iterations. Collective: every rank calls join at the same point. While some ranks
+  // are still training, a rank whose body has returned shadows their steps: it answers each
+  // forward's round (one allgather of two integers per forward, on every rank, while inside join),
+  // the buffers' broadcast, and each synchronised backward's bucket allreduces with zeros. Once
+  // every body has returned, the parameters and buffers of the last rank to finish (the highest
+  // rank among those that finished last) are broadcast to all, so every rank ends with the same model.
+  // Within join, buffers are broadcast from the highest rank still training rather than rank 0
+  // (rank 0 may have finished). As in PyTorch, a rank that has finished takes part in the others'
+  // gradient allreduces through its own buckets, so its .grad fields (with gradient_as_bucket_view)
+  // hold the others' averages afterwards; its optimizer is not stepped.
+  // Every iteration of the body must run forward() then, when synchronising, backward(); a
+  // forward without its backward desynchronises the ranks (MismatchError or a timeout, as
+  // outside join). An exception from the body propagates at once: the others then fail at their
+  // next collective with the usual PeerError or timeout. Not reentrant.
+  void join(const std::function<void()>& body, JoinOptions options = {});
+
   const Stats& stats() const;
   ProcessGroup& group();
   const std::vector<std::vector<size_t>>& bucket_assignment() const;  // parameter indices per bucket
@@ -132,6 +170,8 @@ class DistributedDataParallel {
   ModuleType* operator->() { return module_.get(); }
   const std::shared_ptr<ModuleType>& module() const { return module_; }
   Reducer::NoSync no_sync() { return reducer_->no_sync(); }
+  // See Reducer::join: `ddp.join([&] { for (auto& batch : my_batches) step(batch); });`
+  void join(const std::function<void()>& body, JoinOptions options = {}) { reducer_->join(body, options); }
   Reducer& reducer() { return *reducer_; }
   const Stats& stats() const { return reducer_->stats(); }
 
