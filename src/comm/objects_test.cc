@@ -27,16 +27,6 @@ void expect_round_trip(const T& value) {
   EXPECT_NE(e.find("1 trailing bytes after the value"), std::string::npos) << e;
 }
 
-std::string hex_of(const std::string& s) {
-  std::string out;
-  char buf[4];
-  for (unsigned char c : s) {
-    std::snprintf(buf, sizeof(buf), "%02x", c);
-    out += buf;
-  }
-  return out;
-}
-
 TEST(Objects, NumbersRoundTripAtTheirLimits) {
   expect_round_trip(true);
   expect_round_trip(false);
@@ -60,17 +50,17 @@ TEST(Objects, NumbersRoundTripAtTheirLimits) {
 }
 
 TEST(Objects, BytesAreLittleEndianWithATagPerValue) {
-  EXPECT_EQ(hex_of(encode(int32_t{0x01020304})), "c10604030201");
-  EXPECT_EQ(hex_of(encode(uint16_t{0xbeef})), "c105efbe");
-  EXPECT_EQ(hex_of(encode(1.0f)), "c10a0000803f");
-  EXPECT_EQ(hex_of(encode(true)), "c10101");
-  EXPECT_EQ(hex_of(encode(std::string("hi"))), "c110" "0200000000000000" "6869");
-  EXPECT_EQ(hex_of(encode(std::vector<int16_t>{1, -2})), "c11104" "0200000000000000" "0100feff");
-  EXPECT_EQ(hex_of(encode(std::vector<std::string>{"a"})), "c11210" "0100000000000000" "10" "0100000000000000" "61");
-  EXPECT_EQ(hex_of(encode(std::map<std::string, bool>{{"k", true}})),
+  EXPECT_EQ(testing::hex(encode(int32_t{0x01020304})), "c10604030201");
+  EXPECT_EQ(testing::hex(encode(uint16_t{0xbeef})), "c105efbe");
+  EXPECT_EQ(testing::hex(encode(1.0f)), "c10a0000803f");
+  EXPECT_EQ(testing::hex(encode(true)), "c10101");
+  EXPECT_EQ(testing::hex(encode(std::string("hi"))), "c110" "0200000000000000" "6869");
+  EXPECT_EQ(testing::hex(encode(std::vector<int16_t>{1, -2})), "c11104" "0200000000000000" "0100feff");
+  EXPECT_EQ(testing::hex(encode(std::vector<std::string>{"a"})), "c11210" "0100000000000000" "10" "0100000000000000" "61");
+  EXPECT_EQ(testing::hex(encode(std::map<std::string, bool>{{"k", true}})),
             "c1131001" "0100000000000000" "10" "0100000000000000" "6b" "0101");
-  EXPECT_EQ(hex_of(encode(std::make_pair(uint8_t{7}, int8_t{-1}))), "c11402" "0307" "02ff");
-  EXPECT_EQ(hex_of(encode(std::optional<int8_t>())), "c1150200");
+  EXPECT_EQ(testing::hex(encode(std::make_pair(uint8_t{7}, int8_t{-1}))), "c11402" "0307" "02ff");
+  EXPECT_EQ(testing::hex(encode(std::optional<int8_t>())), "c1150200");
 }
 
 TEST(Objects, StringsAndContainersRoundTrip) {
@@ -162,7 +152,7 @@ TEST(Objects, DamagedBytesAreRefused) {
   std::string dup = encode(std::map<std::string, bool>{{"a", true}, {"b", false}});
   dup[dup.size() - 3] = 'a';  // the second key
   EXPECT_NE(err(dup, std::map<std::string, bool>{}).find("duplicate key in map<string, bool> (entry 1"), std::string::npos)
-      << hex_of(dup);
+      << testing::hex(dup);
   std::string bad_bool = encode(std::vector<bool>{true, false});
   bad_bool.back() = 2;
   EXPECT_NE(err(bad_bool, std::vector<bool>{}).find("neither 0 nor 1"), std::string::npos);
@@ -175,7 +165,7 @@ TEST(Objects, TensorHeadersAreChecked) {
   w.u8(kFormatByte);
   write_tensor(w, TensorType::kInt16, {2, 3}, data, sizeof(data));
   const std::string bytes = w.take();
-  EXPECT_EQ(hex_of(bytes.substr(0, 5)), "c120070202");
+  EXPECT_EQ(testing::hex(bytes.substr(0, 5)), "c120070202");
   Reader r(bytes);
   expect_format(r);
   TensorHeader h = read_tensor_header(r);
