@@ -9,7 +9,7 @@ STRESS_REPEAT ?= 20
 # test`, which replays every target's committed corpus (the fuzz_*_replay tests) instead.
 FUZZ_BUILD_DIR ?= build-fuzz
 FUZZ_SECONDS ?= 60
-FUZZ_TARGETS ?= store_request handshake message_header init_url cluster_env idx idx_example image s3_xml csv \
+FUZZ_TARGETS ?= store_request handshake message_header init_url cluster_env objects idx idx_example image s3_xml csv \
                 checkpoint pickle
 
 .PHONY: all deps configure build run test stress bench clean fuzz fuzz-build fuzz-ci sanitize ci-sanitize
@@ -73,9 +73,9 @@ fuzz-ci:
 # TSan. `make sanitize` runs the whole torch-less suite; `make fuzz` runs every target for longer.
 CI_ASAN_DIR ?= build-ci-asan
 CI_TSAN_DIR ?= build-ci-tsan
-CI_ASAN_TESTS := shm_ring_test store_test transport_errors_test supervisor_test cluster_env_test plan_test log_test
+CI_ASAN_TESTS := shm_ring_test store_test transport_errors_test supervisor_test cluster_env_test plan_test log_test objects_test
 CI_TSAN_TESTS := shm_ring_test store_test transport_errors_test
-CI_FUZZ_TARGETS := store_request handshake message_header init_url cluster_env idx image s3_xml
+CI_FUZZ_TARGETS := store_request handshake message_header init_url cluster_env objects idx image s3_xml
 FUZZ_CI_SECONDS ?= 10
 space := $(empty) $(empty)
 SANITIZER_ENV = UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \

@@ -26,7 +26,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
   // This rank's call: always a valid one, as the transports build it.
   wire::Call call;
-  call.op = static_cast<wire::OpType>(1 + call_bytes[0] % 14);
+  call.op = static_cast<wire::OpType>(1 + call_bytes[0] % 16);
   call.dtype = static_cast<chorus::DataType>(call_bytes[1] % chorus::kNumDataTypes);
   call.reduce_op = static_cast<chorus::ReduceOp>(call_bytes[2] % chorus::kNumReduceOps);
   call.seq = call_bytes[3];

@@ -24,6 +24,13 @@ char* Scratch::get(int slot, size_t bytes) {
 
 namespace {
 
+// Byte offsets of the blocks of `sizes`, back to back.
+std::vector<size_t> displacements(const std::vector<size_t>& sizes) {
+  std::vector<size_t> displs(sizes.size(), 0);
+  for (size_t i = 1; i < sizes.size(); ++i) displs[i] = displs[i - 1] + sizes[i - 1];
+  return displs;
+}
+
 inline char* at(void* base, size_t elems, size_t esz) { return static_cast<char*>(base) + elems * esz; }
 inline const char* at(const void* base, size_t elems, size_t esz) {
   return static_cast<const char*>(base) + elems * esz;
@@ -175,8 +182,7 @@ void allgatherv(Transport& t, const wire::Call& call, const void* in, void* out,
                 const std::vector<size_t>& sizes) {
   const int n = t.size();
   const int r = t.rank();
-  std::vector<size_t> displs(static_cast<size_t>(n), 0);
-  for (int i = 1; i < n; ++i) displs[static_cast<size_t>(i)] = displs[static_cast<size_t>(i - 1)] + sizes[static_cast<size_t>(i - 1)];
+  const std::vector<size_t> displs = displacements(sizes);
   char* o = static_cast<char*>(out);
   if (o + displs[static_cast<size_t>(r)] != in && sizes[static_cast<size_t>(r)] > 0) {
     std::memmove(o + displs[static_cast<size_t>(r)], in, sizes[static_cast<size_t>(r)]);
@@ -196,35 +202,51 @@ void allgatherv(Transport& t, const wire::Call& call, const void* in, void* out,
   t.wait_all();
 }
 
-void gather(Transport& t, const wire::Call& call, const void* in, void* out, size_t bytes, int root) {
+void gatherv(Transport& t, const wire::Call& call, const void* in, void* out, const std::vector<size_t>& sizes,
+             int root) {
   const int n = t.size();
   const int r = t.rank();
+  const size_t mine = sizes[static_cast<size_t>(r)];
   if (r != root) {
-    t.send(root, wire::make_header(call, bytes), in, bytes);
+    t.send(root, wire::make_header(call, mine), in, mine);
     t.wait_all();
     return;
   }
+  const std::vector<size_t> displs = displacements(sizes);
   char* o = static_cast<char*>(out);
-  if (bytes > 0 && o + static_cast<size_t>(r) * bytes != in) std::memmove(o + static_cast<size_t>(r) * bytes, in, bytes);
+  if (mine > 0 && o + displs[static_cast<size_t>(r)] != in) std::memmove(o + displs[static_cast<size_t>(r)], in, mine);
   for (int p = 0; p < n; ++p) {
-    if (p != r) t.recv(p, call, o + static_cast<size_t>(p) * bytes, bytes);
+    const size_t i = static_cast<size_t>(p);
+    if (p != r) t.recv(p, call, o + displs[i], sizes[i]);
   }
   t.wait_all();
 }
 
-void scatter(Transport& t, const wire::Call& call, const void* in, void* out, size_t bytes, int root) {
+void scatterv(Transport& t, const wire::Call& call, const void* in, void* out, const std::vector<size_t>& sizes,
+              int root) {
   const int n = t.size();
   const int r = t.rank();
+  const size_t mine = sizes[static_cast<size_t>(r)];
   if (r != root) {
-    t.wait(t.recv(root, call, out, bytes));
+    t.wait(t.recv(root, call, out, mine));
     return;
   }
+  const std::vector<size_t> displs = displacements(sizes);
   const char* i = static_cast<const char*>(in);
   for (int p = 0; p < n; ++p) {
-    if (p != r) t.send(p, wire::make_header(call, bytes), i + static_cast<size_t>(p) * bytes, bytes);
+    const size_t b = static_cast<size_t>(p);
+    if (p != r) t.send(p, wire::make_header(call, sizes[b]), i + displs[b], sizes[b]);
   }
-  if (bytes > 0 && i + static_cast<size_t>(r) * bytes != out) std::memmove(out, i + static_cast<size_t>(r) * bytes, bytes);
+  if (mine > 0 && i + displs[static_cast<size_t>(r)] != out) std::memmove(out, i + displs[static_cast<size_t>(r)], mine);
   t.wait_all();
+}
+
+void gather(Transport& t, const wire::Call& call, const void* in, void* out, size_t bytes, int root) {
+  gatherv(t, call, in, out, std::vector<size_t>(static_cast<size_t>(t.size()), bytes), root);
+}
+
+void scatter(Transport& t, const wire::Call& call, const void* in, void* out, size_t bytes, int root) {
+  scatterv(t, call, in, out, std::vector<size_t>(static_cast<size_t>(t.size()), bytes), root);
 }
 
 void reduce_scatter(Transport& t, Scratch& s, const Tuning& tune, const wire::Call& call, const void* in,

@@ -48,6 +48,12 @@ void gather(transport::Transport& t, const wire::Call& call, const void* in, voi
             int root);
 void scatter(transport::Transport& t, const wire::Call& call, const void* in, void* out, size_t bytes,
              int root);
+// Blocks of sizes[i] bytes per rank, back to back in root's buffer (out for gatherv, in for
+// scatterv). Root reads every entry of sizes; the other ranks read only their own.
+void gatherv(transport::Transport& t, const wire::Call& call, const void* in, void* out,
+             const std::vector<size_t>& sizes, int root);
+void scatterv(transport::Transport& t, const wire::Call& call, const void* in, void* out,
+              const std::vector<size_t>& sizes, int root);
 // in holds size * count elements; out receives this rank's reduced block of count elements.
 void reduce_scatter(transport::Transport& t, Scratch& s, const Tuning& tune, const wire::Call& call,
                     const void* in, void* out, size_t count, DataType dtype, ReduceOp op);

@@ -21,6 +21,8 @@ const char* op_name(OpType op) {
     case OpType::kAllgatherObject: return "all_gather_object";
     case OpType::kBroadcastObject: return "broadcast_object";
     case OpType::kAllocateBuffer: return "allocate_buffer";
+    case OpType::kGatherObject: return "gather_object";
+    case OpType::kScatterObject: return "scatter_object";
   }
   return "unknown-op";
 }
@@ -51,7 +53,8 @@ bool has_reduce_op(OpType op) {
 }
 bool has_root(OpType op) {
   return op == OpType::kBroadcast || op == OpType::kReduce || op == OpType::kGather ||
-         op == OpType::kScatter || op == OpType::kBroadcastObject;
+         op == OpType::kScatter || op == OpType::kBroadcastObject || op == OpType::kGatherObject ||
+         op == OpType::kScatterObject;
 }
 
 std::string describe_fields(OpType op, uint64_t seq, uint8_t dtype, uint8_t reduce_op, uint64_t count,

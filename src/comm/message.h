@@ -36,6 +36,8 @@ enum class OpType : uint8_t {
   kAllgatherObject,
   kBroadcastObject,
   kAllocateBuffer,  // ProcessGroup::allocate_buffer: count = bytes
+  kGatherObject,
+  kScatterObject,
 };
 const char* op_name(OpType op);
 

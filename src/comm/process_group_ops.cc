@@ -218,55 +218,133 @@ struct ObjectState {
   std::string all;
 };
 
-std::shared_ptr<Work> ProcessGroup::all_gather_object(std::string object) {
-  Impl& m = *impl_;
+namespace {
+
+std::shared_ptr<ObjectState> holding(std::string object) {
   auto st = std::make_shared<ObjectState>();
   st->object = std::move(object);
+  return st;
+}
+
+// The call of an object collective's first step, which exchanges lengths (int64 each).
+Call lengths_call(const Call& c, uint64_t count) {
+  Call sc = c;
+  sc.dtype = DataType::kInt64;
+  sc.count = count;
+  return sc;
+}
+
+std::vector<size_t> to_sizes(const std::vector<int64_t>& lengths) {
+  return std::vector<size_t>(lengths.begin(), lengths.end());
+}
+
+// Cuts `all` into blocks of `sizes` bytes, back to back.
+std::vector<std::string> split_objects(const std::string& all, const std::vector<size_t>& sizes) {
+  std::vector<std::string> out;
+  out.reserve(sizes.size());
+  size_t off = 0;
+  for (size_t n : sizes) {
+    out.push_back(all.substr(off, n));
+    off += n;
+  }
+  return out;
+}
+
+}  // namespace
+
+std::shared_ptr<Work> ProcessGroup::all_gather_object(std::string object) {
+  Impl& m = *impl_;
+  auto st = holding(std::move(object));
   return m.enqueue(OpType::kAllgatherObject, DataType::kUInt8, ReduceOp::kSum, 0, 0,
                    [&m, st](WorkImpl& w, const Call& c) {
     const size_t n = static_cast<size_t>(m.size);
     // First the sizes (int64 each), then the bytes back to back.
     st->lengths.assign(n, 0);
     st->length = static_cast<int64_t>(st->object.size());
-    Call sc = c;
-    sc.dtype = DataType::kInt64;
-    sc.count = n;
-    algo::allgatherv(*m.transport, sc, &st->length, st->lengths.data(), std::vector<size_t>(n, sizeof(int64_t)));
-    std::vector<size_t> sizes(n);
+    algo::allgatherv(*m.transport, lengths_call(c, n), &st->length, st->lengths.data(),
+                     std::vector<size_t>(n, sizeof(int64_t)));
+    const std::vector<size_t> sizes = to_sizes(st->lengths);
     size_t total = 0;
-    for (size_t i = 0; i < n; ++i) {
-      sizes[i] = static_cast<size_t>(st->lengths[i]);
-      total += sizes[i];
-    }
+    for (size_t b : sizes) total += b;
     st->all.assign(total, '\0');
     Call dc = c;
     dc.count = total;
     algo::allgatherv(*m.transport, dc, st->object.data(), st->all.data(), sizes);
-    w.objects_.clear();
-    size_t off = 0;
-    for (size_t i = 0; i < n; ++i) {
-      w.objects_.push_back(st->all.substr(off, sizes[i]));
-      off += sizes[i];
-    }
+    w.objects_ = split_objects(st->all, sizes);
   });
 }
 
 std::shared_ptr<Work> ProcessGroup::broadcast_object(std::string object, int root) {
   Impl& m = *impl_;
   m.check_root(root, "broadcast_object");
-  auto st = std::make_shared<ObjectState>();
-  st->object = std::move(object);
+  auto st = holding(std::move(object));
   return m.enqueue(OpType::kBroadcastObject, DataType::kUInt8, ReduceOp::kSum, 0, root,
                    [&m, st, root](WorkImpl& w, const Call& c) {
     st->length = static_cast<int64_t>(st->object.size());
-    Call sc = c;
-    sc.dtype = DataType::kInt64;
-    sc.count = 1;
-    algo::broadcast(*m.transport, m.tune, sc, &st->length, sizeof(st->length), root);
+    algo::broadcast(*m.transport, m.tune, lengths_call(c, 1), &st->length, sizeof(st->length), root);
     if (m.rank != root) st->object.assign(static_cast<size_t>(st->length), '\0');
     Call dc = c;
     dc.count = static_cast<uint64_t>(st->length);
     algo::broadcast(*m.transport, m.tune, dc, st->object.data(), st->object.size(), root);
+    w.objects_.assign(1, st->object);
+  });
+}
+
+std::shared_ptr<Work> ProcessGroup::gather_object(std::string object, int root) {
+  Impl& m = *impl_;
+  m.check_root(root, "gather_object");
+  auto st = holding(std::move(object));
+  return m.enqueue(OpType::kGatherObject, DataType::kUInt8, ReduceOp::kSum, 0, root,
+                   [&m, st, root](WorkImpl& w, const Call& c) {
+    const size_t n = static_cast<size_t>(m.size);
+    // Root learns every rank's length, then receives the bytes into one buffer.
+    st->length = static_cast<int64_t>(st->object.size());
+    st->lengths.assign(n, 0);
+    algo::gather(*m.transport, lengths_call(c, 1), &st->length, st->lengths.data(), sizeof(int64_t), root);
+    std::vector<size_t> sizes(n, 0);
+    if (m.rank == root) {
+      sizes = to_sizes(st->lengths);
+    } else {
+      sizes[static_cast<size_t>(m.rank)] = st->object.size();
+    }
+    size_t total = 0;
+    if (m.rank == root) {
+      for (size_t b : sizes) total += b;
+    }
+    st->all.assign(total, '\0');
+    algo::gatherv(*m.transport, c, st->object.data(), st->all.data(), sizes, root);
+    w.objects_.clear();
+    if (m.rank == root) w.objects_ = split_objects(st->all, sizes);
+  });
+}
+
+std::shared_ptr<Work> ProcessGroup::scatter_object(std::vector<std::string> objects, int root) {
+  Impl& m = *impl_;
+  m.check_root(root, "scatter_object");
+  auto st = std::make_shared<ObjectState>();
+  const size_t n = static_cast<size_t>(m.size);
+  if (m.rank == root) {
+    if (objects.size() != n) {
+      throw UsageError(m.me() + ": scatter_object: the root's objects has " + std::to_string(objects.size()) +
+                       " entries; it needs one per rank (" + std::to_string(m.size) + ")");
+    }
+    for (const std::string& o : objects) {
+      st->lengths.push_back(static_cast<int64_t>(o.size()));
+      st->all += o;
+    }
+  }
+  return m.enqueue(OpType::kScatterObject, DataType::kUInt8, ReduceOp::kSum, 0, root,
+                   [&m, st, n, root](WorkImpl& w, const Call& c) {
+    // Every rank learns its own length from root, then receives its bytes.
+    algo::scatter(*m.transport, lengths_call(c, 1), st->lengths.data(), &st->length, sizeof(int64_t), root);
+    std::vector<size_t> sizes(n, 0);
+    if (m.rank == root) {
+      sizes = to_sizes(st->lengths);
+    } else {
+      sizes[static_cast<size_t>(m.rank)] = static_cast<size_t>(st->length);
+    }
+    st->object.assign(sizes[static_cast<size_t>(m.rank)], '\0');
+    algo::scatterv(*m.transport, c, st->all.data(), st->object.data(), sizes, root);
     w.objects_.assign(1, st->object);
   });
 }

@@ -102,6 +102,16 @@ std::vector<ChildReport> run_ranks_independent(int world,
   return out;
 }
 
+std::string hex(const std::string& bytes) {
+  static const char kDigits[] = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : bytes) {
+    out += kDigits[c >> 4];
+    out += kDigits[c & 15];
+  }
+  return out;
+}
+
 std::string unique_name(const std::string& stem) {
   static std::atomic<int> counter{0};
   return "chorus-test-" + stem + "-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);

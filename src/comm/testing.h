@@ -32,6 +32,9 @@ struct ChildReport {
 std::vector<ChildReport> run_ranks_independent(int world, const std::function<std::string(int rank, int world)>& fn,
                                                std::chrono::milliseconds deadline = std::chrono::seconds(30));
 
+// Bytes as lowercase hex, two digits each: for comparing encodings with the bytes a format names.
+std::string hex(const std::string& bytes);
+
 // A per-test unique name ("chorus-test-<pid>-<counter>").
 std::string unique_name(const std::string& stem);
 

@@ -13,6 +13,8 @@
 namespace chorus::dist {
 namespace {
 
+using detail::group_or_default;
+
 std::mutex g_mu;
 std::shared_ptr<ProcessGroup> g_default;
 bool g_atexit_registered = false;
@@ -51,8 +53,6 @@ class TensorWork final : public Work {
   std::function<void()> finish_;
   std::once_flag once_;
 };
-
-ProcessGroup& group_or_default(ProcessGroup* group) { return group != nullptr ? *group : default_group(); }
 
 void check_tensor(const at::Tensor& t, const char* op, const char* name = "tensor") {
   std::string where = std::string("chorus::dist::") + op + ": " + name;

@@ -70,7 +70,8 @@ class Work {
   virtual std::exception_ptr exception() const = 0;
   // How long the operation ran (from its start on the worker or inline to its end); 0 until done.
   virtual std::chrono::nanoseconds run_time() const = 0;
-  // Results of the object collectives (all_gather_object: one per rank; broadcast_object: one).
+  // Results of the object collectives (all_gather_object: one per rank; broadcast_object and
+  // scatter_object: one; gather_object: one per rank on the root, none elsewhere).
   virtual const std::vector<std::string>& objects() const = 0;
 };
 
@@ -133,9 +134,17 @@ class ProcessGroup {
   // order as its other collectives; it blocks until done. The memory may outlive the group.
   std::shared_ptr<Buffer> allocate_buffer(size_t bytes);
 
-  // Object collectives on byte strings; results in Work::objects().
+  // Object collectives on byte strings of any length (empty too, and different on every rank);
+  // results in Work::objects(). Each exchanges the lengths first, then the bytes.
+  // all_gather_object: every rank gets one object per rank, in rank order.
   std::shared_ptr<Work> all_gather_object(std::string object);
+  // broadcast_object: every rank gets root's object (the others' `object` is not read).
   std::shared_ptr<Work> broadcast_object(std::string object, int root);
+  // gather_object: root gets one object per rank, in rank order; the others get none.
+  std::shared_ptr<Work> gather_object(std::string object, int root);
+  // scatter_object: on root, `objects` holds one object per rank; rank i gets objects[i] (one
+  // object). The other ranks' `objects` is not read.
+  std::shared_ptr<Work> scatter_object(std::vector<std::string> objects, int root);
 
   // A sub-group of the listed ranks of this group (every rank of this group calls it with the same
   // list, in the same order relative to other new_group calls). Returns nullptr on non-members.

@@ -47,6 +47,9 @@ void destroy_process_group();
 int get_rank(ProcessGroup* group = nullptr);
 int get_world_size(ProcessGroup* group = nullptr);
 ProcessGroup& default_group();  // throws UsageError before init_process_group
+namespace detail {
+inline ProcessGroup& group_or_default(ProcessGroup* group) { return group != nullptr ? *group : default_group(); }
+}  // namespace detail
 std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks);
 
 // Maps a tensor dtype to the collectives' DataType; throws UsageError for others.
@@ -87,7 +90,9 @@ WorkPtr recv(const at::Tensor& tensor, int src, int tag = 0, ProcessGroup* group
 WorkPtr isend(const at::Tensor& tensor, int dst, int tag = 0, ProcessGroup* group = nullptr);
 WorkPtr irecv(const at::Tensor& tensor, int src, int tag = 0, ProcessGroup* group = nullptr);
 
-// Objects as byte strings (serialise them yourself, e.g. with torch::pickle_save).
+// Objects as byte strings (serialise them yourself, e.g. with torch::pickle_save). For C++ values
+// and tensors, and PyTorch's gather_object, scatter_object_list and broadcast_object_list, see
+// chorus/torch/objects.h.
 std::vector<std::string> all_gather_object(const std::string& object, ProcessGroup* group = nullptr);
 std::string broadcast_object(const std::string& object, int src, ProcessGroup* group = nullptr);
 
