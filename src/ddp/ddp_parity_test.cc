@@ -17,6 +17,7 @@
 
 #include "chorus/ddp/ddp.h"
 #include "chorus/torch/distributed.h"
+#include "parity_util.h"
 #include "testing.h"
 
 #ifndef CHORUS_DDP_PARITY_SCRIPT
@@ -58,26 +59,17 @@ struct ParityNetImpl : torch::nn::Module {
 TORCH_MODULE(ParityNet);
 
 torch::Tensor init_value(int k, at::IntArrayRef shape, int rank, bool frozen) {
-  auto e = torch::arange(c10::multiply_integers(shape), torch::kInt64);
-  auto v = ((e * 7 + k * 5) % 13 - 6).to(torch::kFloat32) / 32.0;
-  if (frozen) v = v + 0.25 * rank;  // the ranks start different: DDP's broadcast must fix it
-  return v.reshape(shape);
+  auto v = parity::init_value(k, shape);
+  return frozen ? v + 0.25 * rank : v;  // the ranks start different: DDP's broadcast must fix it
 }
 
 std::pair<torch::Tensor, torch::Tensor> batch(int step, int rank, int world) {
-  auto n = torch::arange(kPerRank * world, torch::kInt64);
-  auto j = torch::arange(6, torch::kInt64);
-  auto x = ((n.unsqueeze(1) * 5 + j.unsqueeze(0) * 3 + step * 7) % 11 - 5).to(torch::kFloat32) / 4.0;
-  auto y = (n * 3 + step) % kClasses;
-  return {x.narrow(0, rank * kPerRank, kPerRank), y.narrow(0, rank * kPerRank, kPerRank)};
+  return parity::batch(step, rank, world, kPerRank, kClasses);
 }
 
 bool uses_branch(int step, int rank) { return (step + rank) % 3 == 0; }
 
-nlohmann::json flat(const torch::Tensor& t) {
-  auto c = t.detach().reshape({-1}).contiguous();
-  return std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
-}
+using parity::flat;
 
 void train_rank(int rank, int world, const std::string& optimizer, bool bucket_view, const std::string& dir) {
   dist::init_process_group();

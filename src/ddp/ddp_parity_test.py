@@ -16,13 +16,14 @@ side; 1 with one line per difference otherwise.
 """
 import argparse
 import json
-import multiprocessing
 import os
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+import parity_util
 
 # Distinct parameters in the order both sides initialise them (index k in init_value).
 NAMES = ["proj", "fc1.weight", "fc1.bias", "frozen.weight", "frozen.bias", "branch.weight",
@@ -56,23 +57,12 @@ class Net(torch.nn.Module):
 
 
 def init_value(k, shape, rank, frozen):
-    n = 1
-    for d in shape:
-        n *= d
-    e = torch.arange(n, dtype=torch.int64)
-    v = ((e * 7 + k * 5) % 13 - 6).to(torch.float32) / 32.0
-    if frozen:
-        v = v + 0.25 * rank  # the ranks start different: DDP's broadcast must fix it
-    return v.reshape(shape)
+    v = parity_util.init_value(k, shape)
+    return v + 0.25 * rank if frozen else v  # the ranks start different: DDP's broadcast must fix it
 
 
 def batch(step, rank, world):
-    n = torch.arange(PER_RANK * world, dtype=torch.int64)
-    j = torch.arange(6, dtype=torch.int64)
-    x = (((n[:, None] * 5 + j[None, :] * 3 + step * 7) % 11) - 5).to(torch.float32) / 4.0
-    y = (n * 3 + step) % CLASSES
-    rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-    return x[rows], y[rows]
+    return parity_util.batch(step, rank, world, PER_RANK, CLASSES)
 
 
 def uses_branch(step, rank):
@@ -111,18 +101,7 @@ def worker(rank, world, args, queue):
         queue.put((rank, "exception: %r" % (e,)))
 
 
-def compare(what, ours, theirs, tol, problems):
-    if ours is None or theirs is None:
-        if (ours is None) != (theirs is None):
-            problems.append("%s: PyTorch has %s, chorus has %s" % (
-                what, "None" if ours is None else "a tensor", "None" if theirs is None else "a tensor"))
-        return
-    if len(ours) != len(theirs):
-        problems.append("%s: %d elements in PyTorch, %d in chorus" % (what, len(ours), len(theirs)))
-        return
-    diff = max((abs(a - b) for a, b in zip(ours, theirs)), default=0.0)
-    if not diff <= tol:
-        problems.append("%s: differs from PyTorch by %.3g (tolerance %.1g)" % (what, diff, tol))
+compare = parity_util.compare
 
 
 def main():
@@ -134,17 +113,7 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, args.world, args, queue)) for r in range(args.world)]
-    for p in procs:
-        p.start()
-    results = {}
-    for _ in procs:
-        rank, out = queue.get(timeout=120)
-        results[rank] = out
-    for p in procs:
-        p.join(timeout=30)
+    results = parity_util.run_forked(worker, args.world, args)
 
     problems = []
     tol = TOLERANCE[args.optimizer]
