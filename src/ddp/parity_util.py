@@ -28,10 +28,11 @@ def batch(step, rank, world, per_rank, classes):
 
 def run_forked(worker, world, *args, timeout=120):
     """Runs worker(rank, world, *args, queue) in `world` forked processes; each puts (rank, result)
-    on the queue (a string for an exception). Returns {rank: result}."""
+    on the queue (a string for an exception). Returns {rank: result}. The ranks are daemons: one
+    that never answers raises queue.Empty here instead of keeping the script from exiting."""
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world) + args + (queue,)) for r in range(world)]
+    procs = [ctx.Process(target=worker, args=(r, world) + args + (queue,), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     results = {}
