@@ -22,21 +22,12 @@ TWO_HOSTS_WHY=""
 TWO_HOSTS_MADE_A=0
 TWO_HOSTS_MADE_B=0
 
+# shellcheck source=hosts.sh
+source "$(dirname "${BASH_SOURCE[0]}")/hosts.sh"
+
 # Whether this process can make the hosts: root, iproute2's ip, and UTS and IPC namespaces.
 two_hosts_check() {
-  if [[ $(id -u) -ne 0 ]]; then
-    TWO_HOSTS_WHY="needs root to make network namespaces (ip netns); running as uid $(id -u)"
-    return 1
-  fi
-  if ! command -v ip >/dev/null; then
-    TWO_HOSTS_WHY="ip (iproute2) is not installed"
-    return 1
-  fi
-  if ! unshare --uts --ipc true 2>/dev/null; then
-    TWO_HOSTS_WHY="cannot make UTS and IPC namespaces (unshare --uts --ipc)"
-    return 1
-  fi
-  return 0
+  hosts_check || { TWO_HOSTS_WHY=$HOSTS_WHY; return 1; }
 }
 
 # Makes namespaces NS_A and NS_B, a veth pair VETH_A (in A, address ADDR_A) -- VETH_B (in B,

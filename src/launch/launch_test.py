@@ -266,6 +266,13 @@ class LaunchTest(unittest.TestCase):
             (["--nnodes", "2", ARGS.probe], "--rdzv-endpoint"),
             (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:1", ARGS.probe], "outside"),
             (["--rdzv-endpoint", "nohostport", ARGS.probe], "HOST:PORT"),
+            (["--nnodes", "3:2", ARGS.probe], "below the fewest"),
+            (["--nnodes", "1:x", ARGS.probe], "MIN:MAX"),
+            (["--nnodes", "1:2", ARGS.probe], "--rdzv-endpoint"),
+            (["--nnodes", "1:2", "--node-rank", "1", "--rdzv-endpoint", "127.0.0.1:1", ARGS.probe], "drop --node-rank"),
+            (["--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-last-call", "-1", ARGS.probe],
+             "--rdzv-last-call"),
+            (["--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:1", ARGS.probe], "needs a job secret"),
         ]
         for args, needle in cases:
             r = self.chorus(*args)
@@ -296,17 +303,15 @@ class LaunchTest(unittest.TestCase):
         self.assertNotEqual(r.returncode, 0)
         self.assertIn("chmod 600", r.stderr)
 
-    def test_two_nodes_meet_at_one_endpoint(self):
-        port = free_port()
-        token_file = os.path.join(self.dir, "token")
-        with open(token_file, "w") as f:
-            f.write("two-nodes-secret\n")
-        os.chmod(token_file, 0o600)
-        cmd = lambda node: [ARGS.chorus, "run", "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint",
-                            "127.0.0.1:%d" % port, "--token-file", token_file, "-n", "2", ARGS.probe, "env", self.dir]
-        procs = [subprocess.Popen(cmd(n), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in (0, 1)]
+    def run_launchers(self, cmds, stagger=0.0):
+        """Runs the launchers side by side (`stagger` s apart); each must exit 0. Their (stdout, stderr)."""
+        procs = []
         outs = []
         try:
+            for cmd in cmds:
+                if procs:
+                    time.sleep(stagger)
+                procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
             for p in procs:
                 outs.append(p.communicate(timeout=60))
         finally:
@@ -316,13 +321,49 @@ class LaunchTest(unittest.TestCase):
                     p.wait()
         for p, (out, err) in zip(procs, outs):
             self.assertEqual(p.returncode, 0, err)
+        return outs
+
+    def rank_environments(self, world):
+        """The variables each rank's probe wrote (rank_<r>.env in self.dir)."""
         ranks = {}
-        for r in range(4):
+        for r in range(world):
             with open(os.path.join(self.dir, "rank_%d.env" % r)) as f:
                 ranks[r] = dict(line.strip().split("=", 1) for line in f if "=" in line)
+        return ranks
+
+    def test_two_nodes_meet_at_one_endpoint(self):
+        port = free_port()
+        token_file = os.path.join(self.dir, "token")
+        with open(token_file, "w") as f:
+            f.write("two-nodes-secret\n")
+        os.chmod(token_file, 0o600)
+        cmd = lambda node: [ARGS.chorus, "run", "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint",
+                            "127.0.0.1:%d" % port, "--token-file", token_file, "-n", "2", ARGS.probe, "env", self.dir]
+        self.run_launchers([cmd(0), cmd(1)])
+        ranks = self.rank_environments(4)
         self.assertEqual([ranks[r]["GROUP_RANK"] for r in range(4)], ["0", "0", "1", "1"])
         self.assertEqual({ranks[r]["WORLD_SIZE"] for r in range(4)}, {"4"})
         self.assertEqual([ranks[r]["LOCAL_RANK"] for r in range(4)], ["0", "1", "0", "1"])
+
+    def test_an_elastic_job_forms_from_the_launchers_that_come(self):
+        # Two launchers on this machine with --nnodes 1:2: the first to listen on the endpoint
+        # hosts the store and is node 0; the round closes at MAX (2) without waiting for the last call.
+        port = free_port()
+        token_file = os.path.join(self.dir, "token")
+        with open(token_file, "w") as f:
+            f.write("elastic-secret\n")
+        os.chmod(token_file, 0o600)
+        cmd = [ARGS.chorus, "run", "--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:%d" % port, "--token-file",
+               token_file, "--rdzv-last-call", "30", "-n", "2", ARGS.probe, "env", self.dir]
+        t0 = time.monotonic()
+        outs = self.run_launchers([cmd, cmd], stagger=0.5)  # the first hosts the store
+        self.assertLess(time.monotonic() - t0, 25, "a full round waited for the last call")
+        self.assertIn("round 0: 2 node(s), 4 worker(s); this is node 0 (ranks 0-1)", outs[0][1])
+        self.assertIn("round 0: 2 node(s), 4 worker(s); this is node 1 (ranks 2-3)", outs[1][1])
+        ranks = self.rank_environments(4)
+        self.assertEqual([ranks[r]["GROUP_RANK"] for r in range(4)], ["0", "0", "1", "1"])
+        self.assertEqual({ranks[r]["WORLD_SIZE"] for r in range(4)}, {"4"})
+        self.assertEqual({ranks[r]["CHORUS_RESTART_COUNT"] for r in range(4)}, {"0"})
 
 
 if __name__ == "__main__":

@@ -2,13 +2,13 @@
 // rendezvous store (node ranks, process counts, the job token), then runs attempts: start this
 // node's workers (worker.cc), watch them with chorus::Supervisor (exits, error records, a failure
 // on another node, forwarded signals), and on a failure stop them, name the root cause and restart
-// the group while restarts are left.
+// the group while restarts are left. An elastic job (--nnodes MIN:MAX) meets in rounds instead
+// (elastic.cc), and each attempt also ends when the round's membership changes.
 #include "chorus/launch/launcher.h"
 
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
-#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -16,12 +16,12 @@
 #include <cerrno>
 #include <chrono>
 #include <climits>
-#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -30,6 +30,8 @@
 #include "chorus/comm/spawn.h"
 #include "chorus/comm/supervisor.h"
 #include "chorus/comm/tcp_store.h"
+#include "elastic.h"
+#include "options.h"
 #include "worker.h"
 
 extern char** environ;
@@ -39,9 +41,15 @@ namespace {
 
 namespace fs = std::filesystem;
 using detail::Clock;
+using detail::check_options;
+using detail::CheckedOptions;
 using detail::describe_failure;
+using detail::ElasticOptions;
+using detail::ElasticRendezvous;
+using detail::RoundPlan;
 using detail::ErrorRecord;
 using detail::host_name;
+using detail::make_scratch_dir;
 using detail::kForwardedSignals;
 using detail::pump_output;
 using detail::read_error_record;
@@ -59,21 +67,6 @@ void on_signal(int sig) {
   (void)ignored;
 }
 
-// The program as exec will find it, or "" if it cannot be run.
-std::string resolve_program(const std::string& prog) {
-  if (prog.find('/') != std::string::npos) return ::access(prog.c_str(), X_OK) == 0 ? prog : "";
-  const char* path = std::getenv("PATH");
-  std::stringstream dirs(path ? path : "/usr/bin:/bin");
-  for (std::string dir; std::getline(dirs, dir, ':');) {
-    std::string candidate = (dir.empty() ? "." : dir) + "/" + prog;
-    struct stat st {};
-    if (::stat(candidate.c_str(), &st) == 0 && S_ISREG(st.st_mode) && ::access(candidate.c_str(), X_OK) == 0) {
-      return candidate;
-    }
-  }
-  return "";
-}
-
 // Milliseconds from now until `t` for poll(): 0 when past, INT_MAX at most.
 int ms_until(Clock::time_point t) {
   const auto now = Clock::now();
@@ -82,61 +75,23 @@ int ms_until(Clock::time_point t) {
   return ms > INT_MAX ? INT_MAX : static_cast<int>(ms);
 }
 
-// Scratch directories are /tmp/chorus-run-<launcher pid>-ns<pid namespace>-XXXXXX. A SIGKILLed
-// launcher cannot remove its own, so each launcher removes those of launchers (of this user, in
-// its pid namespace, where their pids mean what they say) that are no longer running.
-constexpr const char* kScratchPrefix = "chorus-run-";
-
-std::string pid_namespace_tag() {
-  struct stat st {};
-  return "ns" + std::to_string(::stat("/proc/self/ns/pid", &st) == 0 ? static_cast<unsigned long long>(st.st_ino) : 0ull);
-}
-
-void sweep_stale_scratch_dirs() {
-  const std::string ns = "-" + pid_namespace_tag() + "-";
-  std::error_code ec;
-  for (const auto& entry : fs::directory_iterator("/tmp", ec)) {
-    const std::string name = entry.path().filename().string();
-    if (name.rfind(kScratchPrefix, 0) != 0) continue;
-    const std::string rest = name.substr(std::strlen(kScratchPrefix));
-    char* end = nullptr;
-    const long pid = std::strtol(rest.c_str(), &end, 10);
-    if (pid <= 0 || end == rest.c_str() || std::string(end).rfind(ns, 0) != 0) continue;  // not one of ours
-    struct stat st {};
-    if (::lstat(entry.path().c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::getuid()) continue;
-    if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // its launcher still runs
-    std::error_code rec;
-    fs::remove_all(entry.path(), rec);
-  }
-}
-
+// How an attempt ended when it did not succeed.
 struct Failure {
   bool happened = false;
+  bool membership = false;  // elastic: not a failure but the round's end (a node joins or left)
   std::string report;  // "rank 3 (local rank 1 on host h, pid 42): exit code 7\n  message: ..."
 };
 
-// Bounds of the numeric options: beyond them a value is a typo, and would overflow the
-// millisecond arithmetic (a grace period of 1e300 s once meant an immediate SIGKILL).
-constexpr int kMaxProcsPerNode = 4096;
-constexpr int kMaxRestarts = 1000000;
-constexpr double kMaxGraceSeconds = 3600;
-constexpr double kMaxRdzvSeconds = 7 * 24 * 3600;
-
-// Throws UsageError unless `value` (seconds) is a finite number in [min, max].
-void check_seconds(const char* option, double value, double min, double max) {
-  if (std::isfinite(value) && value >= min && value <= max) return;
-  std::ostringstream out;
-  out << "chorus run: " << option << " must be a number of seconds in [" << min << ", " << max << "], got " << value;
-  throw UsageError(out.str());
-}
+bool is_failure_reason(const std::string& reason) { return reason.rfind("failure", 0) == 0; }
 
 class Agent {
  public:
-  explicit Agent(const LaunchOptions& o) : o_(o) {}
+  explicit Agent(const LaunchOptions& o) : o_(o), node_rank_(o.node_rank) {}
 
   int run() {
     validate();
     rendezvous();
+    if (elastic()) return run_elastic();
     for (int attempt = 0;; ++attempt) {
       Failure f = run_attempt(attempt);
       if (stop_signal_ != 0) {
@@ -161,71 +116,103 @@ class Agent {
   }
 
  private:
+  bool elastic() const { return o_.max_nodes > 0; }
+  bool multi_node() const { return elastic() || o_.nnodes > 1; }
+  std::string nnodes_text() const {
+    return elastic() ? std::to_string(o_.nnodes) + ":" + std::to_string(o_.max_nodes) : std::to_string(o_.nnodes);
+  }
+  static std::chrono::milliseconds millis(double seconds) {
+    return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+  }
+
+  // A stop signal that arrived while no worker runs (between rounds); SIGUSR1/2 are dropped then.
+  bool stop_requested() {
+    unsigned char sig = 0;
+    while (stop_signal_ == 0 && ::read(g_signal_pipe[0], &sig, 1) == 1) {
+      if (sig != SIGUSR1 && sig != SIGUSR2) stop_signal_ = sig;
+    }
+    return stop_signal_ != 0;
+  }
+
+  // Elastic: meet the other nodes in a round, run it, and re-form after a failure (while restarts
+  // are left) or a membership change (always), until the job succeeds.
+  int run_elastic() {
+    ElasticOptions eo;
+    eo.min_nodes = o_.nnodes;
+    eo.max_nodes = o_.max_nodes;
+    eo.last_call = millis(o_.rdzv_last_call_s);
+    eo.timeout = millis(o_.rdzv_timeout_s);
+    rdzv_ = std::make_unique<ElasticRendezvous>(store_, eo);
+    const std::string me = host_name() + " pid " + std::to_string(::getpid());
+    int failures = 0;
+    int previous_rank = -1;
+    for (;;) {
+      std::optional<RoundPlan> plan = rdzv_->join({me, nproc_, store_host_, previous_rank}, [&] { return stop_requested(); });
+      if (!plan) {
+        if (stop_signal_ != 0) {
+          std::fprintf(stderr, "chorus run: stopped by %s while waiting to join\n", signal_name(stop_signal_).c_str());
+          return 128 + stop_signal_;
+        }
+        const std::string& outcome = rdzv_->finished_reason();
+        if (outcome == "done") {
+          std::fprintf(stderr, "chorus run: the job finished while this node (%s) waited to join it\n", me.c_str());
+          return 0;
+        }
+        std::fprintf(stderr, "chorus run: the job failed while this node (%s) waited to join it: %s\n", me.c_str(),
+                     outcome.c_str());
+        return 1;
+      }
+      plan_ = *plan;
+      node_rank_ = previous_rank = plan_.node_rank;
+      world_ = plan_.world_size;
+      offset_ = plan_.rank_offset;
+      std::fprintf(stderr, "chorus run: round %d: %zu node(s), %d worker(s); this is node %d (ranks %d-%d)\n", plan_.round,
+                   plan_.nodes.size(), world_, node_rank_, offset_, offset_ + nproc_ - 1);
+      const Failure f = run_attempt(plan_.round);
+      if (stop_signal_ != 0) {
+        try {
+          rdzv_->end_round(plan_.round, "membership: node " + std::to_string(node_rank_) + " (" + me + ") was stopped by " +
+                                            signal_name(stop_signal_));
+        } catch (const Error&) {
+        }
+        std::fprintf(stderr, "chorus run: stopped by %s after forwarding it to the workers\n",
+                     signal_name(stop_signal_).c_str());
+        return 128 + stop_signal_;
+      }
+      if (!f.happened) {
+        rdzv_->finish(plan_, "done", store_host_);
+        return 0;
+      }
+      if (f.membership) {
+        std::fprintf(stderr, "chorus run: round %d ended (%s); re-forming the job\n", plan_.round, f.report.c_str());
+        continue;
+      }
+      if (++failures > o_.max_restarts) {
+        std::fprintf(stderr, "chorus run: FAILED (%d of %d restarts used)\n  root cause: %s\n", failures - 1,
+                     o_.max_restarts, f.report.c_str());
+        try {
+          rdzv_->finish(plan_, "failed after " + std::to_string(failures - 1) + " restarts: " + f.report, store_host_);
+        } catch (const Error&) {
+        }
+        return 1;
+      }
+      std::fprintf(stderr, "chorus run: round %d failed: %s\nchorus run: re-forming the job (%d of %d restarts)\n",
+                   plan_.round, f.report.c_str(), failures, o_.max_restarts);
+    }
+  }
+
   void validate() {
-    if (o_.program.empty()) throw UsageError("chorus run: no program given; usage: chorus run [options] PROGRAM [ARGS...]");
-    if (o_.program[0].size() > 1 && o_.program[0][0] == '-') {
-      throw UsageError("chorus run: unknown option '" + o_.program[0] + "' (options go before PROGRAM; see chorus run --help)");
-    }
-    program_path_ = resolve_program(o_.program[0]);
-    if (program_path_.empty()) {
-      throw UsageError("chorus run: cannot run '" + o_.program[0] + "': not found or not executable" +
-                       (o_.program[0].find('/') == std::string::npos ? " (searched PATH)" : ""));
-    }
-    if (o_.nproc_per_node == "auto") {
-      nproc_ = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    } else {
-      try {
-        size_t pos = 0;
-        nproc_ = std::stoi(o_.nproc_per_node, &pos);
-        if (pos != o_.nproc_per_node.size()) throw std::invalid_argument("");
-      } catch (...) {
-        throw UsageError("chorus run: --nproc-per-node must be a number or 'auto', got '" + o_.nproc_per_node + "'");
-      }
-    }
-    if (nproc_ < 1) throw UsageError("chorus run: --nproc-per-node must be at least 1, got " + std::to_string(nproc_));
-    if (o_.nnodes < 1) throw UsageError("chorus run: --nnodes must be at least 1");
-    if (o_.node_rank < 0 || o_.node_rank >= o_.nnodes) {
-      throw UsageError("chorus run: --node-rank " + std::to_string(o_.node_rank) + " is outside [0, " +
-                       std::to_string(o_.nnodes) + ")");
-    }
-    if (nproc_ > kMaxProcsPerNode) {
-      throw UsageError("chorus run: --nproc-per-node " + std::to_string(nproc_) + " is more than " +
-                       std::to_string(kMaxProcsPerNode) + " workers on one node");
-    }
-    if (o_.max_restarts < 0 || o_.max_restarts > kMaxRestarts) {
-      throw UsageError("chorus run: --max-restarts must be in [0, " + std::to_string(kMaxRestarts) + "], got " +
-                       std::to_string(o_.max_restarts));
-    }
-    check_seconds("--grace-period", o_.grace_period_s, 0, kMaxGraceSeconds);
-    check_seconds("--rdzv-timeout", o_.rdzv_timeout_s, 0.001, kMaxRdzvSeconds);
-    if (o_.master_port != -1 && (o_.master_port < 1 || o_.master_port > 65535)) {
-      throw UsageError("chorus run: --master-port " + std::to_string(o_.master_port) +
-                       " is not a TCP port; give one in [1, 65535]");
-    }
-    if (!o_.rdzv_endpoint.empty()) {
-      parse_endpoint(o_.rdzv_endpoint, &master_addr_, &master_port_);
-    } else if (!o_.master_addr.empty() || o_.master_port >= 0) {
-      if (o_.master_addr.empty() || o_.master_port < 0) {
-        throw UsageError("chorus run: give both --master-addr and --master-port (or --rdzv-endpoint HOST:PORT)");
-      }
-      master_addr_ = o_.master_addr;
-      master_port_ = o_.master_port;
-    } else if (o_.nnodes > 1) {
-      throw UsageError("chorus run: --nnodes " + std::to_string(o_.nnodes) +
-                       " needs --rdzv-endpoint HOST:PORT (node 0's address and a free port)");
-    }
+    const CheckedOptions checked = check_options(o_);
+    program_path_ = checked.program_path;
+    nproc_ = checked.nproc;
+    master_addr_ = checked.master_addr;
+    master_port_ = checked.master_port;
     if (!o_.log_dir.empty()) {
       std::error_code ec;
       fs::create_directories(o_.log_dir, ec);
       if (ec) throw UsageError("chorus run: cannot create --log-dir " + o_.log_dir + ": " + ec.message());
     }
-    sweep_stale_scratch_dirs();
-    std::string tmpl =
-        std::string("/tmp/") + kScratchPrefix + std::to_string(::getpid()) + "-" + pid_namespace_tag() + "-XXXXXX";
-    if (::mkdtemp(tmpl.data()) == nullptr) {
-      throw Error("chorus run: cannot create a scratch directory " + tmpl + ": " + std::strerror(errno));
-    }
-    scratch_ = tmpl;
+    scratch_ = make_scratch_dir();
   }
 
   void rendezvous() {
@@ -237,9 +224,9 @@ class Agent {
     if (token_.empty()) {
       if (const char* f = std::getenv("CHORUS_JOB_TOKEN_FILE"); f != nullptr && *f != '\0') token_ = read_token_file(f);
     }
-    if (token_.empty() && o_.nnodes > 1) {
+    if (token_.empty() && multi_node()) {
       // Anything every node could derive without talking first, a stranger could derive too.
-      throw UsageError("chorus run: --nnodes " + std::to_string(o_.nnodes) +
+      throw UsageError("chorus run: --nnodes " + nnodes_text() +
                        " needs a job secret shared by every node, or any process that reaches " + master_addr_ + ":" +
                        std::to_string(master_port_) + " could join the job: give every node the same --token-file "
                        "(a file only you can read: openssl rand -hex 16 > ~/.chorus-token && chmod 600 "
@@ -247,7 +234,20 @@ class Agent {
     }
     if (token_.empty()) token_ = random_token();  // one node: a fresh secret, handed to the workers only
     const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(o_.rdzv_timeout_s * 1000));
-    if (o_.node_rank == 0) {
+    if (elastic()) {
+      // The launcher that can listen on the endpoint's address hosts the store (as torchrun's c10d
+      // rendezvous does); the others, and a second launcher on that machine, connect to it.
+      TcpStoreServerOptions so;
+      so.host = master_addr_;
+      so.port = master_port_;
+      so.token = token_;
+      try {
+        server_ = std::make_unique<TcpStoreServer>(so);
+        store_host_ = true;
+      } catch (const Error& e) {
+        host_error_ = e.what();
+      }
+    } else if (o_.node_rank == 0) {
       TcpStoreServerOptions so;
       so.host = o_.nnodes == 1 && master_addr_.empty() ? "127.0.0.1" : "";
       so.port = master_port_ >= 0 ? master_port_ : 0;
@@ -261,15 +261,17 @@ class Agent {
     co.port = master_port_;
     co.token = token_;
     co.timeout = timeout;
-    co.who = "chorus run (node " + std::to_string(o_.node_rank) + ")";
+    co.who = elastic() ? "chorus run (" + host_name() + ")" : "chorus run (node " + std::to_string(o_.node_rank) + ")";
     try {
       store_ = std::make_shared<TcpStore>(co);
     } catch (const TimeoutError& e) {
-      throw TimeoutError("chorus run: node " + std::to_string(o_.node_rank) +
+      throw TimeoutError("chorus run: " + (elastic() ? std::string("this node") : "node " + std::to_string(o_.node_rank)) +
                          " could not reach the rendezvous endpoint " + master_addr_ + ":" +
                          std::to_string(master_port_) + " within " + std::to_string(o_.rdzv_timeout_s) +
-                         " s; is node 0's launcher running and the address reachable? (" + e.what() + ")");
+                         " s; is node 0's launcher running and the address reachable? (" + e.what() + ")" +
+                         (elastic() ? " This launcher does not host the store itself: " + host_error_ : ""));
     }
+    if (elastic()) return;  // node ranks come from the rounds (run_elastic)
     // Claim the node rank, publish this node's process count, learn everyone's.
     const std::string me = host_name() + " pid " + std::to_string(::getpid());
     std::string claimed = store_->compare_set("launch/node/" + std::to_string(o_.node_rank), "", me);
@@ -308,7 +310,7 @@ class Agent {
   }
 
   void wait_for_nodes(int attempt) {
-    if (o_.nnodes == 1 || attempt == 0) return;
+    if (o_.nnodes == 1 || attempt == 0 || elastic()) return;  // an elastic round has met already
     const std::string key = "launch/attempt" + std::to_string(attempt) + "/ready";
     store_->add(key, 1);
     const auto deadline = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(o_.rdzv_timeout_s * 1000));
@@ -331,7 +333,7 @@ class Agent {
     put("LOCAL_RANK", std::to_string(w.local_rank));
     put("WORLD_SIZE", std::to_string(world_));
     put("LOCAL_WORLD_SIZE", std::to_string(nproc_));
-    put("GROUP_RANK", std::to_string(o_.node_rank));
+    put("GROUP_RANK", std::to_string(node_rank_));
     put("MASTER_ADDR", master_addr_);
     put("MASTER_PORT", std::to_string(master_port_));
     put("CHORUS_RESTART_COUNT", std::to_string(attempt));
@@ -456,12 +458,36 @@ class Agent {
                         Failure* failure) {
     failure->happened = true;
     failure->report = describe_failure(ws, ws[static_cast<size_t>(supervisor.root_cause_rank() - offset_)]);
-    if (o_.nnodes > 1) {
+    if (multi_node()) {
       try {
-        store_->set(failed_key, "node " + std::to_string(o_.node_rank) + ": " + failure->report);
+        const std::string report = "node " + std::to_string(node_rank_) + ": " + failure->report;
+        store_->set(failed_key, report);
+        if (elastic()) rdzv_->end_round(plan_.round, "failure: " + report);
       } catch (const Error&) {
       }
     }
+  }
+
+  // Elastic: whether the round goes on ("" if so). A failure elsewhere terminates the workers as
+  // a remote failure; a membership change stops them as a signal does (SIGTERM, then SIGKILL after
+  // the grace period), so that they can save their state.
+  void check_round(std::vector<Worker>& ws, Failure* failure, Supervisor& supervisor) {
+    std::string reason;
+    try {
+      reason = rdzv_->poll(plan_);
+    } catch (const Error&) {
+      return;  // the store is gone (its host finished): local workers go on by themselves
+    }
+    if (reason.empty()) return;
+    failure->happened = true;
+    failure->report = is_failure_reason(reason) ? reason.substr(reason.find(':') + 2) : reason;
+    if (is_failure_reason(reason)) {
+      supervisor.on_remote_failure(Clock::now());
+      return;
+    }
+    failure->membership = true;
+    signal_all(ws, SIGTERM);
+    supervisor.on_stop(Clock::now());
   }
 
   Failure run_attempt(int attempt) {
@@ -481,9 +507,13 @@ class Agent {
       forward_signals(ws, supervisor);
       alive -= reap_exited(ws, supervisor);
       if (supervisor.deciding()) read_running_records(ws, supervisor);
-      if (o_.nnodes > 1 && !supervisor.failure_decided() && Clock::now() >= next_store_check) {
+      if (multi_node() && !supervisor.failure_decided() && !failure.happened && Clock::now() >= next_store_check) {
         next_store_check = Clock::now() + std::chrono::milliseconds(100);
-        check_other_nodes(failed_key, &failure, supervisor);
+        if (elastic()) {
+          check_round(ws, &failure, supervisor);
+        } else {
+          check_other_nodes(failed_key, &failure, supervisor);
+        }
       }
       const Supervisor::Send send = supervisor.step(Clock::now(), alive);
       if (supervisor.failure_decided() && !failure.happened) announce_failure(ws, supervisor, failed_key, &failure);
@@ -524,10 +554,21 @@ class Agent {
   std::string scratch_;
   std::unique_ptr<TcpStoreServer> server_;
   std::shared_ptr<TcpStore> store_;
+  int node_rank_ = 0;       // o_.node_rank, or the elastic round's
+  bool store_host_ = false; // elastic: this launcher hosts the store
+  std::string host_error_;  // elastic: why it does not
+  std::unique_ptr<ElasticRendezvous> rdzv_;
+  RoundPlan plan_;
   int stop_signal_ = 0;
 };
 
 }  // namespace
+
+void parse_nnodes(const std::string& text, LaunchOptions* options) {
+  const detail::NodeCount count = detail::parse_node_count(text);
+  options->nnodes = count.min;
+  options->max_nodes = count.elastic ? count.max : 0;
+}
 
 void parse_endpoint(const std::string& text, std::string* host, int* port) {
   if (const std::string bad = split_host_port(text, host, port); !bad.empty()) {

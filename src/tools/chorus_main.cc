@@ -69,15 +69,18 @@ std::vector<std::string> split_program(const std::vector<std::string>& args, con
   return out;
 }
 
-// `chorus run`'s options, into *launch and *standalone.
-CLI::App* add_run_command(CLI::App& app, chorus::launch::LaunchOptions* launch, bool* standalone) {
+// `chorus run`'s options, into *launch, *standalone and *nnodes (N or MIN:MAX, parsed later).
+CLI::App* add_run_command(CLI::App& app, chorus::launch::LaunchOptions* launch, bool* standalone, std::string* nnodes) {
   CLI::App* run = app.add_subcommand("run", "start a job's workers on this node (like torchrun)");
   run->prefix_command();  // everything from PROGRAM on belongs to the program
   run->formatter(std::make_shared<RunFormatter>());
   run->add_option("-n,--nproc-per-node,--nproc_per_node", launch->nproc_per_node,
                   "workers on this node: a number or 'auto' (one per core)")
       ->capture_default_str();
-  run->add_option("--nnodes", launch->nnodes, "number of nodes")->capture_default_str();
+  run->add_option("--nnodes", *nnodes,
+                  "number of nodes, or MIN:MAX for an elastic job that re-forms when nodes leave or join "
+                  "(docs/elastic.md)")
+      ->capture_default_str();
   run->add_option("--node-rank,--node_rank", launch->node_rank, "this node's rank in [0, nnodes)")->capture_default_str();
   run->add_option("--rdzv-endpoint,--rdzv_endpoint", launch->rdzv_endpoint,
                   "HOST:PORT of node 0's rendezvous store (default with one node: a local store on a port the "
@@ -100,6 +103,9 @@ CLI::App* add_run_command(CLI::App& app, chorus::launch::LaunchOptions* launch, 
       ->capture_default_str();
   run->add_option("--rdzv-timeout,--rdzv_timeout", launch->rdzv_timeout_s,
                   "seconds to wait for the store and the other nodes")
+      ->capture_default_str();
+  run->add_option("--rdzv-last-call,--rdzv_last_call", launch->rdzv_last_call_s,
+                  "elastic: seconds a round that has MIN nodes waits for more, in [0, 3600]")
       ->capture_default_str();
   run->add_option("--token", launch->token,
                   "job token (default: CHORUS_JOB_TOKEN, else --token-file, else a fresh one on one node)");
@@ -175,7 +181,8 @@ int main(int argc, char** argv) {
 
   chorus::launch::LaunchOptions launch;
   bool standalone = false;
-  CLI::App* run = add_run_command(app, &launch, &standalone);
+  std::string nnodes = "1";
+  CLI::App* run = add_run_command(app, &launch, &standalone, &nnodes);
 
   chorus::tools::BenchArgs bench;
   CLI::App* b = app.add_subcommand("bench", "measure a collective on W local ranks");
@@ -208,7 +215,8 @@ int main(int argc, char** argv) {
   try {
     if (run->parsed()) {
       launch.program = program.empty() ? run->remaining() : program;
-      if (standalone && (launch.nnodes != 1 || !launch.rdzv_endpoint.empty() || !launch.master_addr.empty())) {
+      chorus::launch::parse_nnodes(nnodes, &launch);
+      if (standalone && (launch.nnodes != 1 || launch.max_nodes > 0 || !launch.rdzv_endpoint.empty() || !launch.master_addr.empty())) {
         throw chorus::UsageError("chorus run: --standalone is one node with a local store; drop it, or drop "
                                  "--nnodes/--rdzv-endpoint/--master-addr");
       }

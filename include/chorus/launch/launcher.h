@@ -14,6 +14,14 @@
 // node's other workers ended. SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 sent to the launcher
 // are forwarded to every worker. A launcher killed by SIGKILL leaves its scratch directory in
 // /tmp; the next launcher removes it.
+//
+// Elastic (max_nodes > 0, `--nnodes MIN:MAX`): node ranks are not given but assigned in
+// rendezvous rounds; the launcher that can listen on --rdzv-endpoint's address hosts the store and
+// is node 0. A failure (a node that died among them), a node that asks to join while there is
+// room, or a node whose launcher was stopped ends the round: every node stops its workers (SIGTERM,
+// so a program can save its state) and the job re-forms with the nodes that are there (MIN at
+// least), with new ranks and world size. Failures count against max_restarts; membership changes
+// do not. docs/elastic.md.
 #pragma once
 
 #include <string>
@@ -23,8 +31,10 @@ namespace chorus::launch {
 
 struct LaunchOptions {
   std::string nproc_per_node = "1";  // a number or "auto" (one per core)
-  int nnodes = 1;
-  int node_rank = 0;
+  int nnodes = 1;                    // the node count; elastic: the fewest nodes the job runs on
+  int max_nodes = 0;                 // elastic: the most nodes (>= nnodes); 0: not elastic
+  double rdzv_last_call_s = 5.0;     // elastic: a round with MIN nodes waits this long for more, in [0, 3600]
+  int node_rank = 0;                 // fixed node counts only (elastic jobs assign node ranks)
   std::string rdzv_endpoint;         // HOST:PORT of node 0's store (required with nnodes > 1)
   std::string master_addr;           // alternative to rdzv_endpoint: address ...
   int master_port = -1;              // ... and port, in [1, 65535] (-1: none)
@@ -42,6 +52,10 @@ struct LaunchOptions {
 // Runs the job; returns the launcher's exit code (0 on success). Throws UsageError for bad
 // options, TimeoutError when the rendezvous endpoint cannot be reached in time.
 int run(const LaunchOptions& options);
+
+// Sets options->nnodes from --nnodes' text "N", or nnodes and max_nodes from "MIN:MAX" (elastic);
+// throws UsageError naming the text otherwise.
+void parse_nnodes(const std::string& text, LaunchOptions* options);
 
 // Parses "HOST:PORT" ("[v6]:PORT" too); throws UsageError naming the text otherwise.
 void parse_endpoint(const std::string& text, std::string* host, int* port);
