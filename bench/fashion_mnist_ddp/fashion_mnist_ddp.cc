@@ -5,6 +5,7 @@
 //
 //   --sync on|off|lockstep    DDP as a user runs it, or the no-comm and barrier-only bounds
 //   --compression, --overlap, --bucket-cap-mb, --[no-]gradient-as-bucket-view   DDP's options
+//   --powersgd-rank R, --powersgd-start N   PowerSGD as the comm hook (bench/compare-powersgd)
 //   --bind-cpu                pin each rank to one CPU (bench/compare-ddp)
 //   --fail-at-step N          the last rank throws after step N (launcher and restart tests)
 //   --metrics-json FILE       rank 0's summary: samples/s, step times, DDP's comm figures
@@ -104,6 +105,8 @@ struct Config {
   bool overwrite = false;
   std::string sync = "on";
   std::string compression = "none";
+  int64_t powersgd_rank = 0;  // 0: no PowerSGD hook
+  int64_t powersgd_start = 10;
   std::string overlap = "on";
   double bucket_cap_mb = 25.0;
   bool bucket_view = true;
@@ -274,6 +277,14 @@ void run_rank(const Config& cfg) {
   ddp_options.overlap =
       cfg.overlap == "off" ? chorus::ddp::Options::Overlap::kNever : chorus::ddp::Options::Overlap::kAlways;
   chorus::ddp::DistributedDataParallel<Classifier> ddp(model, ddp_options);
+  std::shared_ptr<chorus::ddp::PowerSGDHook> powersgd;
+  if (cfg.powersgd_rank > 0) {
+    chorus::ddp::PowerSGDOptions po;
+    po.matrix_approximation_rank = cfg.powersgd_rank;
+    po.start_powerSGD_iter = cfg.powersgd_start;
+    powersgd = std::make_shared<chorus::ddp::PowerSGDHook>(po);
+    ddp.register_comm_hook(powersgd);
+  }
   torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(cfg.lr).momentum(cfg.momentum));
   torch::manual_seed(cfg.seed + 1000003ull * static_cast<uint64_t>(rank + 1));  // per-rank dropout masks
 
@@ -463,6 +474,8 @@ void run_rank(const Config& cfg) {
         {"sync_mode", cfg.sync},
         {"bound_cpu", bound_cpu},
         {"compression", cfg.compression},
+        {"powersgd_rank", cfg.powersgd_rank},
+        {"powersgd_compression_rate", powersgd ? powersgd->compression_stats().rate : 0.0},
         {"bucket_cap_mb", cfg.bucket_cap_mb},
         {"gradient_as_bucket_view", cfg.bucket_view},
         {"overlap", cfg.overlap},
@@ -562,6 +575,10 @@ int main(int argc, char** argv) {
   app.add_flag_callback("--no-sync", [&] { cfg.sync = "off"; }, "same as --sync off");
   app.add_option("--compression", cfg.compression, "gradient compression for the allreduce")
       ->check(CLI::IsMember({"none", "fp16", "bf16"}))->capture_default_str();
+  app.add_option("--powersgd-rank", cfg.powersgd_rank, "PowerSGD with this matrix rank as DDP's comm hook (0: none)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 20))->excludes("--compression")->capture_default_str();
+  app.add_option("--powersgd-start", cfg.powersgd_start, "plain allreduce for the first N steps of PowerSGD")
+      ->check(CLI::Range(int64_t{2}, int64_t{1} << 40))->capture_default_str();
   app.add_flag("--bind-cpu", cfg.bind_cpu,
                "pin each rank to one CPU (the LOCAL_RANK-th it may use) when the host's ranks fit its CPUs");
   app.add_flag("--gradient-as-bucket-view", cfg.bucket_view, "gradients live in the DDP buckets (the default)");

@@ -36,6 +36,7 @@
 #include <unordered_map>
 
 #include "bucket_plan.h"
+#include "hook_thread.h"
 #include "chorus/comm/check.h"
 #include "chorus/comm/error.h"
 #include "chorus/comm/log.h"
@@ -80,7 +81,7 @@ struct Bucket {
   std::vector<size_t> params;    // parameter indices, in the order they were assigned
   std::vector<int64_t> offsets;  // element offset of each in flat
   at::Tensor flat;               // the gradients, back to back, in the parameters' dtype
-  at::Tensor wire;               // the compressed copy that travels, if compressing
+  GradBucket view;               // what the communication hook is given (flat is its buffer)
   size_t pending = 0;            // parameters not yet ready in this backward
   std::shared_ptr<Work> work;
 };
@@ -120,6 +121,12 @@ struct Reducer::Impl {
   Stats stats;
   std::vector<std::vector<size_t>> assignment;
   std::shared_ptr<bool> alive = std::make_shared<bool>(true);
+  std::shared_ptr<CommHook> hook = allreduce_hook();
+  std::string hook_source;      // who registered the hook: "" while the default allreduce runs
+  bool backward_seen = false;   // a hook may be registered only before the first backward
+  bool shadowing = false;       // a join's finished rank runs the hook on zeros
+  // Last: destroyed first, so that no hook task outlives the buckets or the hook it uses.
+  detail::HookThread hook_thread;
 
   std::string me() const { return "chorus::ddp: rank " + std::to_string(pg->rank()); }
 
@@ -177,19 +184,91 @@ struct Reducer::Impl {
     for (auto& w : works) w->wait();
   }
 
+  // Hands a complete bucket to the communication hook. What it throws, here or from its Work,
+  // is rethrown by wait_buckets() once every bucket has been waited for.
   void launch(Bucket& b) {
-    if (b.wire.defined()) {
-      // Divide first, in full precision, so the float16 sum cannot overflow where the average fits.
-      b.flat.div_(divisor);
-      b.wire.copy_(b.flat);
-      b.work = dist::all_reduce(b.wire, ReduceOp::kSum, pg, /*async_op=*/true);
-    } else if (divisor == world) {
-      b.work = dist::all_reduce(b.flat, ReduceOp::kAvg, pg, /*async_op=*/true);
-    } else {
-      b.flat.div_(divisor);  // join with divide_by_initial_world_size = false
-      b.work = dist::all_reduce(b.flat, ReduceOp::kSum, pg, /*async_op=*/true);
+    b.view.divisor = divisor;
+    b.view.joined = shadowing;
+    try {
+      b.work = hook->run(b.view);
+      if (!b.work) throw UsageError("it returned no Work");
+    } catch (...) {
+      b.work = hook_thread.submit([e = std::current_exception()] { std::rethrow_exception(e); });
     }
-    if (!overlap) b.work->wait();  // runs it here, in order; finalize() collects its time
+    if (!overlap) {  // runs it here, in order; finalize() collects its time and its error
+      try {
+        b.work->wait();
+      } catch (...) {
+      }
+    }
+  }
+
+  // Waits for every launched bucket, in order, adding their run times to *comm_ms. Returns the
+  // first error: chorus's own (a timeout, a dead peer) as it is, anything else a hook threw as an
+  // Error naming the hook and the bucket.
+  std::exception_ptr wait_buckets(double* comm_ms) {
+    std::exception_ptr first;
+    for (size_t k = 0; k < buckets.size(); ++k) {
+      Bucket& b = buckets[k];
+      if (!b.work) continue;
+      std::string failed;
+      try {
+        b.work->wait();
+        if (comm_ms != nullptr) *comm_ms += std::chrono::duration<double, std::milli>(b.work->run_time()).count();
+      } catch (const Error&) {
+        if (!first) first = std::current_exception();
+      } catch (const std::exception& e) {
+        failed = e.what();
+      } catch (...) {
+        failed = "an exception that is not a std::exception";
+      }
+      if (!failed.empty() && !first) {
+        first = std::make_exception_ptr(Error(me() + ": the communication hook " + hook->describe() +
+                                              " failed on bucket " + std::to_string(k) + " of " +
+                                              std::to_string(buckets.size()) + ": " + failed));
+      }
+      b.work.reset();
+    }
+    return first;
+  }
+
+  // Collective: see Reducer::register_comm_hook. `source` says who registers it, for the errors.
+  void register_hook(std::shared_ptr<CommHook> h, const std::string& source) {
+    std::string problem;
+    if (!h) {
+      problem = "the hook is null";
+    } else if (!hook_source.empty()) {
+      problem = "a communication hook is already registered (" + hook_source + "); register one, once";
+    } else if (backward_seen) {
+      problem = "a backward has already run: register the hook before the first backward";
+    }
+    auto all = pg->all_gather_object(problem.empty() ? "hook " + h->describe() : "error " + problem);
+    all->wait();
+    const auto& got = all->objects();
+    std::vector<std::string> bad;
+    for (size_t r = 0; r < got.size(); ++r) {
+      if (got[r].rfind("error ", 0) == 0) bad.push_back("rank " + std::to_string(r) + ": " + got[r].substr(6));
+    }
+    for (size_t r = 1; bad.empty() && r < got.size(); ++r) {
+      if (got[r] != got[0]) {
+        bad.push_back("rank 0 registers " + got[0].substr(5) + ", rank " + std::to_string(r) + " registers " +
+                      got[r].substr(5) + " (every rank must register the same hook)");
+      }
+    }
+    if (!bad.empty()) {
+      std::ostringstream out;
+      out << me() << ": register_comm_hook refused on every rank:";
+      for (const auto& line : bad) out << "\n  " << line;
+      throw UsageError(out.str());
+    }
+    std::vector<GradBucket> views;
+    for (const auto& b : buckets) views.push_back(b.view);
+    HookMemory memory;
+    h->prepare(views, memory);
+    stats.bucket_bytes += memory.bytes;
+    stats.shared_bytes += memory.shared_bytes;
+    hook = std::move(h);
+    hook_source = source;
   }
 
   // One allgather of two integers per rank; every rank learns who raised `flag` (still training,
@@ -212,21 +291,22 @@ struct Reducer::Impl {
   // allreduces in the same order, of zeros (finalize() without gradients).
   void shadow_backward() {
     torch::NoGradGuard no_grad;
+    backward_seen = true;
+    shadowing = true;
     for (auto& b : buckets) {
       b.flat.zero_();
       launch(b);
     }
+    shadowing = false;
     std::shared_ptr<Work> used_work;
     at::Tensor unused;
     if (opts.find_unused_parameters && world > 1) {
       unused = at::zeros({static_cast<int64_t>(params.size())}, at::kByte);
       used_work = dist::all_reduce(unused, ReduceOp::kMax, pg, /*async_op=*/true);
     }
-    for (auto& b : buckets) {
-      if (b.work) b.work->wait();
-      b.work.reset();
-    }
+    std::exception_ptr error = wait_buckets(nullptr);
     if (used_work) used_work->wait();
+    if (error) std::rethrow_exception(error);
   }
 
   // The shadowing loop of a rank whose join body returned, then the final model broadcast.
@@ -274,6 +354,7 @@ struct Reducer::Impl {
   }
 
   void on_gradient(size_t i) {
+    backward_seen = true;
     used[i] = 1;        // also under no_sync: what accumulates there goes out at the next sync
     if (!sync) return;  // no_sync: gradients accumulate locally
     if (!in_backward) {
@@ -313,19 +394,19 @@ struct Reducer::Impl {
     }
     const auto wait_start = Clock::now();
     double comm_ms = 0;
-    for (auto& b : buckets) {
-      if (b.work) {
-        b.work->wait();
-        comm_ms += std::chrono::duration<double, std::milli>(b.work->run_time()).count();
-      }
-      b.work.reset();
-    }
+    std::exception_ptr error = wait_buckets(&comm_ms);
     if (used_work) used_work->wait();
+    if (error) {  // ready for the next backward, then the hook's error
+      for (auto& b : buckets) b.pending = b.params.size();
+      std::fill(ready.begin(), ready.end(), false);
+      std::fill(used.begin(), used.end(), 0);
+      next_launch = 0;
+      std::rethrow_exception(error);
+    }
     // Without overlap every allreduce held backward up for its whole run: all of it is exposed.
     stats.comm_wait_ms = overlap ? ms_since(wait_start) : comm_ms;
     stats.comm_ms = comm_ms;
     for (auto& b : buckets) {
-      if (b.wire.defined()) b.flat.copy_(b.wire);
       for (size_t k = 0; k < b.params.size(); ++k) {
         const size_t i = b.params[k];
         // No rank used it: .grad stays as it was (with views, a defined .grad already is the slot).
@@ -407,28 +488,32 @@ struct Reducer::Impl {
         total += params[i].numel();
       }
       const at::Tensor& first = params[bucket.params[0]];
-      const bool compress = opts.compression != Compression::kNone && at::isFloatingType(first.scalar_type()) &&
-                            first.scalar_type() != at::kHalf && first.scalar_type() != at::kBFloat16;
-      // What travels lives in memory from the group's allocate_buffer (collective: every rank builds
-      // the same buckets in the same order): over shared memory its allreduce works in place across
-      // the ranks, with no staging copies.
-      auto group_memory = [&](at::ScalarType dtype) {
-        std::shared_ptr<Buffer> buf = pg->allocate_buffer(static_cast<size_t>(total) * c10::elementSize(dtype));
+      if (opts.compression != Compression::kNone) {
+        // The compression hook's wire buffers are what travels (CompressHook::prepare).
+        bucket.flat = at::zeros({total}, first.options().requires_grad(false));
+      } else {
+        // What travels lives in memory from the group's allocate_buffer (collective: every rank
+        // builds the same buckets in the same order): over shared memory the default hook's
+        // allreduce works in place across the ranks, with no staging copies.
+        std::shared_ptr<Buffer> buf = pg->allocate_buffer(static_cast<size_t>(total) * first.element_size());
         if (buf->shared()) stats.shared_bytes += static_cast<int64_t>(buf->size());
         void* data = buf->data();
-        return at::from_blob(data, {total}, [buf](void*) mutable { buf.reset(); },
-                             first.options().dtype(dtype).requires_grad(false));
-      };
-      if (compress) {
-        bucket.flat = at::zeros({total}, first.options().requires_grad(false));
-        bucket.wire = group_memory(opts.compression == Compression::kFloat16 ? at::kHalf : at::kBFloat16);
-      } else {
-        bucket.flat = group_memory(first.scalar_type());
+        bucket.flat = at::from_blob(data, {total}, [buf](void*) mutable { buf.reset(); },
+                                    first.options().requires_grad(false));
       }
       bucket.pending = bucket.params.size();
       stats.gradient_bytes += total * static_cast<int64_t>(first.element_size());
       if (!opts.gradient_as_bucket_view) stats.bucket_bytes += bucket.flat.nbytes();
-      if (bucket.wire.defined()) stats.bucket_bytes += bucket.wire.nbytes();
+      GradBucket& view = bucket.view;
+      view.index = b;
+      view.count = assignment.size();
+      view.buffer = bucket.flat;
+      view.parameters = bucket.params;
+      view.offsets = bucket.offsets;
+      for (size_t i : bucket.params) view.shapes.push_back(params[i].sizes().vec());
+      view.group = pg;
+      view.divisor = world;
+      view.thread_ = &hook_thread;
       buckets.push_back(std::move(bucket));
     }
     stats.buckets = static_cast<int>(buckets.size());
@@ -479,7 +564,13 @@ Reducer::Reducer(torch::nn::Module& module, Options options) : impl_(std::make_u
   }
   m.build_buckets();
   if (options.gradient_as_bucket_view) m.view_grads_in_buckets();
+  if (options.compression == Compression::kFloat16) m.register_hook(fp16_compress_hook(), "Options::compression");
+  if (options.compression == Compression::kBFloat16) m.register_hook(bf16_compress_hook(), "Options::compression");
   m.install_hooks();
+}
+
+void Reducer::register_comm_hook(std::shared_ptr<CommHook> hook) {
+  impl_->register_hook(std::move(hook), "by register_comm_hook");
 }
 
 Reducer::~Reducer() { *impl_->alive = false; }
@@ -524,5 +615,6 @@ Reducer::NoSync::~NoSync() { r_.impl_->sync = previous_; }
 const Stats& Reducer::stats() const { return impl_->stats; }
 ProcessGroup& Reducer::group() { return *impl_->pg; }
 const std::vector<std::vector<size_t>>& Reducer::bucket_assignment() const { return impl_->assignment; }
+const std::vector<std::string>& Reducer::parameter_names() const { return impl_->names; }
 
 }  // namespace chorus::ddp

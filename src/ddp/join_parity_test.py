@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from parity_util import init_value
+
 NAMES = ["fc1.weight", "fc1.bias", "bn.weight", "bn.bias", "head.weight", "head.bias"]
 BUFFERS = ["bn.running_mean", "bn.running_var", "bn.num_batches_tracked"]
 PER_RANK = 4
@@ -42,14 +44,6 @@ class Net(torch.nn.Module):
 
     def forward(self, x):
         return self.head(torch.relu(self.bn(self.fc1(x))))
-
-
-def init_value(k, shape):
-    n = 1
-    for d in shape:
-        n *= d
-    e = torch.arange(n, dtype=torch.int64)
-    return (((e * 7 + k * 5) % 13 - 6).to(torch.float32) / 32.0).reshape(shape)
 
 
 def batch(step, rank):

@@ -1,6 +1,7 @@
 """Shared by the Python sides of the parity tests against PyTorch (ddp_parity_test.py,
 zero_parity_test.py): values and data made by the same formulas as parity_util.h makes them, the
 reference ranks as forked processes, and the comparison with chorus's values."""
+import argparse
 import multiprocessing
 
 import torch
@@ -27,10 +28,11 @@ def batch(step, rank, world, per_rank, classes):
 
 def run_forked(worker, world, *args, timeout=120):
     """Runs worker(rank, world, *args, queue) in `world` forked processes; each puts (rank, result)
-    on the queue (a string for an exception). Returns {rank: result}."""
+    on the queue (a string for an exception). Returns {rank: result}. The ranks are daemons: one
+    that never answers raises queue.Empty here instead of keeping the script from exiting."""
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world) + args + (queue,)) for r in range(world)]
+    procs = [ctx.Process(target=worker, args=(r, world) + args + (queue,), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     results = {}
@@ -55,3 +57,24 @@ def compare(what, ours, theirs, tol, problems):
     diff = max((abs(a - b) for a, b in zip(ours, theirs)), default=0.0)
     if not diff <= tol:
         problems.append("%s: differs from PyTorch by %.3g (tolerance %.1g)" % (what, diff, tol))
+
+
+def check_cases(check_case):
+    """The main of a script that checks several cases in one run: `--dir DIR CASE...`. For each case,
+    check_case(dir, case, problems) appends a line per difference to problems and returns the text
+    after the case's name on its "OK: CASE, ..." (or "MISMATCH: CASE, ...") line. Returns the exit
+    status: 1 when any case differs."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("cases", nargs="+")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    failed = False
+    for case in args.cases:
+        problems = []
+        summary = check_case(args.dir, case, problems)
+        for line in problems:
+            print(line)
+        print("%s: %s, %s" % ("MISMATCH" if problems else "OK", case, summary))
+        failed = failed or bool(problems)
+    return 1 if failed else 0

@@ -15,7 +15,6 @@ data are small dyadic rationals made by the same formulas on both sides.
 Exit status 0 and one "OK: CASE" line per case when everything agrees within the tolerance; 1
 with one line per difference otherwise.
 """
-import argparse
 import json
 import os
 import sys
@@ -119,26 +118,9 @@ def check_case(root, case, problems):
             for key, values in entry.items():
                 parity_util.compare("%s state %s (%s) %s" % (case, index, NAMES[int(index)], key), values,
                         ours["state"][index][key], TOLERANCE, problems)
-    return len(results[0]["state"]) if isinstance(results[0], dict) else 0
-
-
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--dir", required=True)
-    parser.add_argument("cases", nargs="+")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    failed = False
-    for case in args.cases:
-        problems = []
-        states = check_case(args.dir, case, problems)
-        for line in problems:
-            print(line)
-        print("%s: %s, %d parameters, %d with consolidated state" % (
-            "MISMATCH" if problems else "OK", case, len(NAMES), states))
-        failed = failed or bool(problems)
-    return 1 if failed else 0
+    states = len(results[0]["state"]) if isinstance(results[0], dict) else 0
+    return "%d parameters, %d with consolidated state" % (len(NAMES), states)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(parity_util.check_cases(check_case))

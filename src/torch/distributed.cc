@@ -98,6 +98,10 @@ void destroy_at_exit() { destroy_process_group(); }
 
 }  // namespace
 
+WorkPtr then(WorkPtr inner, std::function<void()> finish, std::vector<at::Tensor> keep) {
+  return std::make_shared<TensorWork>(std::move(inner), std::move(keep), std::move(finish));
+}
+
 DataType to_data_type(c10::ScalarType type) {
   switch (type) {
     case at::kFloat: return DataType::kFloat32;

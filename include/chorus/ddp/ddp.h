@@ -15,7 +15,8 @@
 // - Gradients are grouped into buckets (reverse registration order; a small first bucket, then
 //   bucket_cap_mb). Each parameter's gradient hook marks it ready; a bucket's allreduce starts as
 //   soon as its last gradient is ready, while the rest of backward still runs. When backward()
-//   returns, every parameter's .grad holds the average over ranks.
+//   returns, every parameter's .grad holds the average over ranks (or what a communication hook,
+//   register_comm_hook, made of it: compressed, PowerSGD; see comm_hook.h).
 // - Every rank must run backward on the same number of iterations, and (without
 //   find_unused_parameters) every parameter must get a gradient on every iteration; otherwise the
 //   end of backward raises UsageError naming the parameters that got none and the option to set.
@@ -39,6 +40,7 @@
 
 #include "chorus/comm/error.h"
 #include "chorus/comm/process_group.h"
+#include "chorus/ddp/comm_hook.h"
 
 namespace chorus::ddp {
 
@@ -53,6 +55,7 @@ struct Options {
   double bucket_cap_mb = 25.0;     // later buckets
   bool find_unused_parameters = false;
   bool broadcast_buffers = true;   // rank 0's buffers (e.g. BatchNorm statistics) before each forward
+  // Installs fp16_compress_hook / bf16_compress_hook (comm_hook.h) at construction.
   Compression compression = Compression::kNone;
   // .grad tensors alias the buckets: backward accumulates straight into them, and no gradient is
   // copied in or out (PyTorch's default is false; here the aliases are plain tensors, not autograd
@@ -109,6 +112,11 @@ class Reducer {
 
   // Called before each forward: broadcasts buffers when asked, re-arms the hooks.
   void prepare_forward();
+  // What runs on each bucket instead of the default allreduce (comm_hook.h; PyTorch's
+  // register_comm_hook). Collective: every rank registers a hook of the same describe(), before
+  // the first backward, at most once (Options::compression counts as one); otherwise every rank
+  // raises UsageError saying which rank differs or what was wrong. Calls hook->prepare.
+  void register_comm_hook(std::shared_ptr<CommHook> hook);
   // While the guard lives, backward accumulates gradients locally (no communication).
   class NoSync {
    public:
@@ -141,6 +149,7 @@ class Reducer {
   const Stats& stats() const;
   ProcessGroup& group();
   const std::vector<std::vector<size_t>>& bucket_assignment() const;  // parameter indices per bucket
+  const std::vector<std::string>& parameter_names() const;            // what the indices refer to
 
  private:
   struct Impl;
@@ -170,6 +179,8 @@ class DistributedDataParallel {
   ModuleType* operator->() { return module_.get(); }
   const std::shared_ptr<ModuleType>& module() const { return module_; }
   Reducer::NoSync no_sync() { return reducer_->no_sync(); }
+  // See Reducer::register_comm_hook.
+  void register_comm_hook(std::shared_ptr<CommHook> hook) { reducer_->register_comm_hook(std::move(hook)); }
   // See Reducer::join: `ddp.join([&] { for (auto& batch : my_batches) step(batch); });`
   void join(const std::function<void()>& body, JoinOptions options = {}) { reducer_->join(body, options); }
   Reducer& reducer() { return *reducer_; }

@@ -17,6 +17,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -59,6 +60,10 @@ std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks);
 DataType to_data_type(c10::ScalarType type);
 
 using WorkPtr = std::shared_ptr<Work>;
+
+// A Work that completes with `inner`, then runs `finish` once, in the first thread that waits
+// (e.g. copying a result out of a staging tensor), and keeps `keep` alive until then.
+WorkPtr then(WorkPtr inner, std::function<void()> finish, std::vector<at::Tensor> keep = {});
 
 WorkPtr all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::kSum, ProcessGroup* group = nullptr,
                    bool async_op = false);
