@@ -31,3 +31,15 @@ function(chorus_export_library target name)
   set_target_properties(${target} PROPERTIES EXPORT_NAME ${name})
   set_property(GLOBAL APPEND PROPERTY CHORUS_EXPORTED_LIBRARIES ${target})
 endfunction()
+
+# chorus_add_mpi_test(NAME name NP n COMMAND prog args... TIMEOUT s): `prog` on n ranks under mpirun
+# (tests/mpi/run-under-mpirun: as root, oversubscribed, on this host). Labels multiproc and mpi; a
+# machine without mpirun skips it (exit 77) with a message saying what to install.
+function(chorus_add_mpi_test)
+  cmake_parse_arguments(T "" "NAME;NP;TIMEOUT" "COMMAND" ${ARGN})
+  if(NOT T_TIMEOUT OR NOT T_NP)
+    message(FATAL_ERROR "chorus_add_mpi_test(${T_NAME}): NP and TIMEOUT are required")
+  endif()
+  add_test(NAME ${T_NAME} COMMAND ${PROJECT_SOURCE_DIR}/tests/mpi/run-under-mpirun ${T_NP} ${T_COMMAND})
+  set_tests_properties(${T_NAME} PROPERTIES TIMEOUT ${T_TIMEOUT} LABELS "multiproc;mpi" SKIP_RETURN_CODE 77)
+endfunction()

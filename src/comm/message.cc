@@ -23,6 +23,7 @@ const char* op_name(OpType op) {
     case OpType::kAllocateBuffer: return "allocate_buffer";
     case OpType::kGatherObject: return "gather_object";
     case OpType::kScatterObject: return "scatter_object";
+    case OpType::kNewGroup: return "new_group";
   }
   return "unknown-op";
 }

@@ -38,6 +38,7 @@ enum class OpType : uint8_t {
   kAllocateBuffer,  // ProcessGroup::allocate_buffer: count = bytes
   kGatherObject,
   kScatterObject,
+  kNewGroup,  // ProcessGroup::new_group on a transport that makes its sub-groups (MPI): count = members
 };
 const char* op_name(OpType op);
 

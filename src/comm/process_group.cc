@@ -257,17 +257,12 @@ ProcessGroup::ProcessGroup(std::shared_ptr<Store> store, int rank, int size, Pro
   }
   if (options.transport != "tcp" && options.transport != "shm" && options.transport != "hybrid" &&
       options.transport != "auto") {
-    throw UsageError("chorus: unknown transport '" + options.transport + "'; available: tcp, shm, hybrid, auto");
+    throw UsageError("chorus: unknown transport '" + options.transport + "'; available: tcp, shm, hybrid, auto (for mpi, connect_mpi_process_group in "
+                     "chorus/comm/mpi.h, or init_process_group(\"mpi\"))");
   }
   Impl& m = *impl_;
   m.store = std::move(store);
-  m.rank = rank;
-  m.size = size;
   m.opts = options;
-  m.tune.segment_bytes = std::max<size_t>(options.segment_bytes, 1);
-  m.tune.small_allreduce_bytes = options.small_allreduce_bytes;
-  m.send_seq.assign(static_cast<size_t>(size), 0);
-  m.recv_seq.assign(static_cast<size_t>(size), 0);
 
   transport::TcpOptions to;
   to.store = m.store.get();
@@ -283,10 +278,11 @@ ProcessGroup::ProcessGroup(std::shared_ptr<Store> store, int rank, int size, Pro
   if (to.spin_us < 0) {
     to.spin_us = static_cast<unsigned>(size) <= std::thread::hardware_concurrency() ? 20 : 0;
   }
+  std::unique_ptr<transport::Transport> t;
   try {
     RecordingStore recording(*m.store);
     to.store = &recording;  // the transports read the store during setup only
-    m.transport = make_transport(&recording, to, options, size);
+    t = make_transport(&recording, to, options, size);
     if (size > 1) release_setup_keys(*m.store, to.key_prefix, rank, size, recording.written());
   } catch (const std::exception& e) {
     // Name the rank and group on every setup error (store, connect, handshake, accept).
@@ -295,9 +291,30 @@ ProcessGroup::ProcessGroup(std::shared_ptr<Store> store, int rank, int size, Pro
     const std::string msg = what.rfind("chorus: rank", 0) == 0 ? what : prefix + what;
     std::rethrow_exception(make_error(error_class_of(e), msg));
   }
-  m.transport->set_spin_gate(&m.waiters);
-  m.native = m.transport->native();
-  m.worker = std::thread([this] { impl_->loop(); });
+  m.start(this, std::move(t));
+}
+
+void ProcessGroup::Impl::start(ProcessGroup* pg, std::unique_ptr<transport::Transport> t) {
+  transport = std::move(t);
+  rank = transport->rank();
+  size = transport->size();
+  tune.segment_bytes = std::max<size_t>(opts.segment_bytes, 1);
+  tune.small_allreduce_bytes = opts.small_allreduce_bytes;
+  send_seq.assign(static_cast<size_t>(size), 0);
+  recv_seq.assign(static_cast<size_t>(size), 0);
+  transport->set_spin_gate(&waiters);
+  native = transport->native();
+  worker = std::thread([pg] { pg->impl_->loop(); });
+}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::Impl::adopt(std::unique_ptr<transport::Transport> t,
+                                                        std::shared_ptr<Store> store, ProcessGroupOptions options) {
+  std::shared_ptr<ProcessGroup> pg(new ProcessGroup());
+  pg->impl_ = std::make_unique<Impl>();
+  pg->impl_->store = std::move(store);
+  pg->impl_->opts = std::move(options);
+  pg->impl_->start(pg.get(), std::move(t));
+  return pg;
 }
 
 ProcessGroup::~ProcessGroup() { shutdown(); }
@@ -340,9 +357,19 @@ std::shared_ptr<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ra
   for (size_t i = 0; i < ranks.size(); ++i) {
     if (ranks[i] == m.rank) my_index = static_cast<int>(i);
   }
-  if (my_index < 0) return nullptr;
   ProcessGroupOptions o = m.opts;
   o.group_name = m.opts.group_name + "/" + std::to_string(id);
+  if (m.transport->makes_subgroups()) {
+    // A collective over this group, in order with its other operations; non-members take part.
+    auto sub = std::make_shared<std::unique_ptr<transport::Transport>>();
+    m.enqueue(OpType::kNewGroup, DataType::kInt32, ReduceOp::kSum, ranks.size(), 0,
+              [&m, sub, ranks, name = o.group_name](WorkImpl&, const Call&) {
+                *sub = m.transport->subgroup(ranks, name);
+              })->wait();
+    if (!*sub) return nullptr;
+    return Impl::adopt(std::move(*sub), m.store, o);
+  }
+  if (my_index < 0) return nullptr;
   return std::make_shared<ProcessGroup>(m.store, my_index, static_cast<int>(ranks.size()), o);
 }
 

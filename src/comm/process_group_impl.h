@@ -167,6 +167,13 @@ struct ProcessGroup::Impl final : detail::InlineRunner {
     if (p == nullptr && count > 0) throw UsageError(me() + ": " + op + ": null buffer for " + std::to_string(count) + " elements");
   }
 
+  // The group over `t`, an already connected transport (MPI's, which needs no store): rank, size
+  // and kind come from it. store may be null when t makes its own sub-groups.
+  static std::shared_ptr<ProcessGroup> adopt(std::unique_ptr<transport::Transport> t, std::shared_ptr<Store> store,
+                                             ProcessGroupOptions options);
+  // Sets the state every group starts with, once `transport` is connected, and starts the worker.
+  void start(ProcessGroup* pg, std::unique_ptr<transport::Transport> t);
+
   std::shared_ptr<Work> enqueue(wire::OpType op, DataType dtype, ReduceOp rop, uint64_t count, int64_t arg,
                                 std::function<void(detail::WorkImpl&, const wire::Call&)> run, int p2p_peer = -1);
   void execute(detail::Task& task);

@@ -48,6 +48,7 @@ std::shared_ptr<Work> ProcessGroup::reduce(void* data, size_t count, DataType dt
   m.check_root(root, "reduce");
   element_size(dtype);
   return m.enqueue(OpType::kReduce, dtype, op, count, root, [&m, data, count, dtype, op, root](WorkImpl&, const Call& c) {
+    if (m.size > 1 && m.native != nullptr && m.native->reduce(data, count, dtype, op, root)) return;
     algo::reduce(*m.transport, m.scratch, c, data, count, dtype, op, root);
   });
 }
@@ -83,6 +84,7 @@ std::shared_ptr<Work> ProcessGroup::allgatherv(const void* in, void* out, const 
   m.check_buffer(out, total, "allgatherv");
   return m.enqueue(OpType::kAllgather, dtype, ReduceOp::kSum, total, 1,
                    [&m, in, out, sizes = std::move(sizes)](WorkImpl&, const Call& c) {
+                     if (m.size > 1 && m.native != nullptr && m.native->allgatherv(in, out, sizes)) return;
                      algo::allgatherv(*m.transport, c, in, out, sizes);
                    });
 }
@@ -94,6 +96,7 @@ std::shared_ptr<Work> ProcessGroup::gather(const void* in, void* out, size_t cou
   if (m.rank == root) m.check_buffer(out, count, "gather");
   const size_t bytes = count * element_size(dtype);
   return m.enqueue(OpType::kGather, dtype, ReduceOp::kSum, count, root, [&m, in, out, bytes, root](WorkImpl&, const Call& c) {
+    if (m.size > 1 && m.native != nullptr && m.native->gather(in, out, bytes, root)) return;
     algo::gather(*m.transport, c, in, out, bytes, root);
   });
 }
@@ -105,6 +108,7 @@ std::shared_ptr<Work> ProcessGroup::scatter(const void* in, void* out, size_t co
   if (m.rank == root) m.check_buffer(in, count, "scatter");
   const size_t bytes = count * element_size(dtype);
   return m.enqueue(OpType::kScatter, dtype, ReduceOp::kSum, count, root, [&m, in, out, bytes, root](WorkImpl&, const Call& c) {
+    if (m.size > 1 && m.native != nullptr && m.native->scatter(in, out, bytes, root)) return;
     algo::scatter(*m.transport, c, in, out, bytes, root);
   });
 }
@@ -116,6 +120,7 @@ std::shared_ptr<Work> ProcessGroup::reduce_scatter(const void* in, void* out, si
   m.check_buffer(out, count, "reduce_scatter");
   element_size(dtype);
   return m.enqueue(OpType::kReduceScatter, dtype, op, count, 0, [&m, in, out, count, dtype, op](WorkImpl&, const Call& c) {
+    if (m.size > 1 && m.native != nullptr && m.native->reduce_scatter(in, out, count, dtype, op)) return;
     algo::reduce_scatter(*m.transport, m.scratch, m.tune, c, in, out, count, dtype, op);
   });
 }
@@ -126,6 +131,7 @@ std::shared_ptr<Work> ProcessGroup::alltoall(const void* in, void* out, size_t c
   m.check_buffer(out, count, "alltoall");
   const size_t bytes = count * element_size(dtype);
   return m.enqueue(OpType::kAlltoall, dtype, ReduceOp::kSum, count, 0, [&m, in, out, bytes](WorkImpl&, const Call& c) {
+    if (m.size > 1 && m.native != nullptr && m.native->alltoall(in, out, bytes)) return;
     algo::alltoall(*m.transport, c, in, out, bytes);
   });
 }
@@ -133,6 +139,7 @@ std::shared_ptr<Work> ProcessGroup::alltoall(const void* in, void* out, size_t c
 std::shared_ptr<Work> ProcessGroup::barrier() {
   Impl& m = *impl_;
   return m.enqueue(OpType::kBarrier, DataType::kUInt8, ReduceOp::kSum, 0, 0, [&m](WorkImpl&, const Call& c) {
+    if (m.size > 1 && m.native != nullptr && m.native->barrier()) return;
     algo::barrier(*m.transport, c);
   });
 }

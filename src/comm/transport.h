@@ -69,6 +69,17 @@ class NativeCollectives {
   virtual bool broadcast(void* buf, size_t bytes, int root) = 0;
   // Every rank contributes `bytes` at `in`; `out` receives rank r's block at r * bytes.
   virtual bool allgather(const void* in, void* out, size_t bytes) { return false; }
+  // The rest of ProcessGroup's collectives, with its arguments (sizes in bytes where the call moves
+  // bytes without reducing them). Only a transport with a library of collectives underneath (MPI)
+  // offers them; the defaults leave them to the generic algorithms.
+  virtual bool reduce(void* buf, size_t count, DataType dtype, ReduceOp op, int root) { return false; }
+  // Rank r contributes sizes[r] bytes; `out` receives them back to back.
+  virtual bool allgatherv(const void* in, void* out, const std::vector<size_t>& sizes) { return false; }
+  virtual bool gather(const void* in, void* out, size_t bytes, int root) { return false; }
+  virtual bool scatter(const void* in, void* out, size_t bytes, int root) { return false; }
+  virtual bool reduce_scatter(const void* in, void* out, size_t count, DataType dtype, ReduceOp op) { return false; }
+  virtual bool alltoall(const void* in, void* out, size_t bytes) { return false; }
+  virtual bool barrier() { return false; }
   // A buffer of `bytes` that every rank maps, so that allreduce on it (or on the same range of it
   // on every rank) reduces straight out of the peers' buffers and writes the results into them,
   // with no staging copies; for buffers allreduced again and again (DDP's buckets). nullptr when
@@ -102,6 +113,16 @@ class Transport {
   // The transport's own collectives (shared memory, the hybrid's hierarchy), or nullptr (the
   // default): the process group then runs the generic algorithms over send/recv.
   virtual NativeCollectives* native() { return nullptr; }
+
+  // Transports whose groups do not come from a store (MPI's communicators) make their sub-groups
+  // themselves: subgroup() is then a collective over this transport, called by every rank with the
+  // same `ranks` (members first to last), and returns the sub-group's transport, in which this rank
+  // is its index in `ranks`, or nullptr on a non-member. The others connect sub-groups through the
+  // store as they connect groups.
+  virtual bool makes_subgroups() const { return false; }
+  virtual std::unique_ptr<Transport> subgroup(const std::vector<int>& ranks, const std::string& group_name) {
+    return nullptr;
+  }
 
   // Busy-polling is allowed only while *gate > 0 (a thread waits for the group's work, so its core
   // is idle); otherwise the transport sleeps as soon as it must wait. nullptr: always allowed.

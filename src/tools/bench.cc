@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "chorus/comm/error.h"
+#include "chorus/comm/mpi.h"
 #include "chorus/comm/process_group.h"
 #include "chorus/comm/spawn.h"
 
@@ -215,8 +216,8 @@ Stats slowest_rank(ProcessGroup& pg, const Stats& s, bool correct, bool* all_ok)
   return worst;
 }
 
-void rank_main(const BenchArgs& a, int rank, int world) {
-  auto pg = connect_process_group("env://", rank, world, group_options(a, rank, world));
+void rank_main(const BenchArgs& a, std::shared_ptr<ProcessGroup> pg) {
+  const int rank = pg->rank(), world = pg->size();
   nlohmann::json records = nlohmann::json::array();
   bool all_correct = true;
   if (rank == 0 && !a.quiet) {
@@ -295,8 +296,9 @@ void add_bench_options(CLI::App& app, BenchArgs& a) {
       ->check(CLI::IsMember({"allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "alltoall"}));
   app.add_option("-n,--world-size", a.world_size, "number of local ranks to start")->check(CLI::Range(1, 256));
   app.add_option("--transport", a.transport,
-                 "transport: tcp, shm, hybrid (shm within a host, tcp across), or auto (picks one of those)")
-      ->check(CLI::IsMember({"tcp", "shm", "hybrid", "auto"}));
+                 "transport: tcp, shm, hybrid (shm within a host, tcp across), auto (picks one of those), or mpi "
+                 "(Open MPI: run under mpirun -np N, one rank per process)")
+      ->check(CLI::IsMember({"tcp", "shm", "hybrid", "auto", "mpi"}));
   app.add_option("--hosts", a.hosts, "split the local ranks into this many simulated hosts (for hybrid and auto)")
       ->check(CLI::Range(1, 256));
   app.add_option("--sizes", a.sizes, "comma-separated sizes in bytes (K, M, G suffixes)");
@@ -316,10 +318,28 @@ void add_bench_options(CLI::App& app, BenchArgs& a) {
 
 int run_bench(const BenchArgs& a) {
   parse_sizes(a.sizes);  // report bad sizes before starting any process
+  if (a.transport == "mpi") {
+    // mpirun starts the ranks: this process is one of them.
+    try {
+      auto pg = connect_mpi_process_group(group_options(a, 0, 1));
+      if (pg->size() != a.world_size) {
+        throw UsageError("--transport mpi: MPI started " + std::to_string(pg->size()) + " ranks but -n is " +
+                         std::to_string(a.world_size) + "; run it as mpirun -np " + std::to_string(a.world_size) +
+                         " chorus bench ... --transport mpi -n " + std::to_string(a.world_size));
+      }
+      rank_main(a, std::move(pg));
+    } catch (const Error& e) {
+      std::fprintf(stderr, "chorus bench: %s\n", e.what());
+      return 1;
+    }
+    return 0;
+  }
   SpawnOptions so;
   so.grace_period = std::chrono::milliseconds(2000);
   try {
-    spawn(a.world_size, [&](int rank, int world) { rank_main(a, rank, world); }, so);
+    spawn(a.world_size, [&](int rank, int world) {
+      rank_main(a, connect_process_group("env://", rank, world, group_options(a, rank, world)));
+    }, so);
   } catch (const SpawnError& e) {
     std::fprintf(stderr, "chorus bench: %s\n", e.what());
     return 1;

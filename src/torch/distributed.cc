@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "chorus/comm/error.h"
+#include "chorus/comm/mpi.h"
 
 namespace chorus::dist {
 namespace {
@@ -122,17 +123,13 @@ DataType to_data_type(c10::ScalarType type) {
 
 std::string transport_for_backend(const std::string& backend) {
   if (backend == "chorus" || backend == "gloo") return "";
-  if (backend == "tcp" || backend == "shm" || backend == "hybrid") return backend;
+  if (backend == "tcp" || backend == "shm" || backend == "hybrid" || backend == "mpi") return backend;
   const std::string exists =
       "chorus's backends are \"chorus\" (alias \"gloo\": CPU tensors, shared memory within a host and TCP "
-      "between hosts), or one transport forced: \"tcp\", \"shm\" or \"hybrid\"";
+      "between hosts), one transport forced: \"tcp\", \"shm\" or \"hybrid\", or \"mpi\" (Open MPI, under mpirun)";
   if (backend == "nccl") {
     throw UsageError("chorus::dist::init_process_group: backend \"nccl\" is not available: chorus has no GPU "
                      "collectives and works on CPU tensors; " + exists);
-  }
-  if (backend == "mpi") {
-    throw UsageError("chorus::dist::init_process_group: backend \"mpi\" is not available: chorus does not use MPI "
-                     "(mpirun and srun can still start its ranks; env:// reads their rank variables); " + exists);
   }
   throw UsageError("chorus::dist::init_process_group: unknown backend '" + backend + "'; " + exists);
 }
@@ -146,8 +143,21 @@ void init_process_group(const std::string& backend, const std::string& init_meth
   }
   ProcessGroupOptions o = options.group;
   o.timeout = options.timeout;
-  if (!forced_transport.empty()) o.transport = forced_transport;  // else CHORUS_TRANSPORT, read by rendezvous
-  g_default = connect_process_group(init_method, rank, world_size, o);
+  if (forced_transport == "mpi") {
+    // As torch.distributed's mpi backend: rank and world size are MPI_COMM_WORLD's; no rendezvous.
+    auto pg = connect_mpi_process_group(o);
+    if ((rank >= 0 && rank != pg->rank()) || (world_size >= 0 && world_size != pg->size())) {
+      const std::string asked = "rank " + std::to_string(rank) + ", world_size " + std::to_string(world_size);
+      pg->shutdown();
+      throw UsageError("chorus::dist::init_process_group(\"mpi\"): " + asked + " disagree with MPI_COMM_WORLD's "
+                       "rank " + std::to_string(pg->rank()) + " of " + std::to_string(pg->size()) +
+                       "; with the mpi backend leave them at -1 (MPI decides; init_method is not used)");
+    }
+    g_default = std::move(pg);
+  } else {
+    if (!forced_transport.empty()) o.transport = forced_transport;  // else CHORUS_TRANSPORT, read by rendezvous
+    g_default = connect_process_group(init_method, rank, world_size, o);
+  }
   if (!g_atexit_registered) {
     // Peers that outlive this process learn it left cleanly (goodbye) rather than died.
     std::atexit(destroy_at_exit);

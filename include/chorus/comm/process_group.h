@@ -155,6 +155,9 @@ class ProcessGroup {
 
  private:
   struct Impl;
+  ProcessGroup() = default;  // for Impl::adopt
+  // Builds its group over a transport of its own, without a store (chorus/comm/mpi.h).
+  friend std::shared_ptr<ProcessGroup> connect_mpi_process_group(ProcessGroupOptions options);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -33,10 +33,13 @@ struct InitOptions {
 
 // backend: "chorus" (the transport options.group.transport names, "auto" by default: shared memory
 // within a host, TCP between hosts; CHORUS_TRANSPORT in the environment overrides it), "gloo" (an
-// alias of "chorus", so code written for torch.distributed's CPU backend runs unchanged), or one
-// transport forced: "tcp", "shm" or "hybrid". "nccl" and "mpi" do not exist here (UsageError says
-// what does). init_method: env://, tcp://, file:// (see chorus/comm/rendezvous.h). rank /
-// world_size < 0 come from the URL or the environment.
+// alias of "chorus", so code written for torch.distributed's CPU backend runs unchanged), one
+// transport forced: "tcp", "shm" or "hybrid", or "mpi": Open MPI under mpirun, as torch.distributed's
+// mpi backend (rank and world size are MPI_COMM_WORLD's, init_method is not used, rank/world_size
+// other than -1 must agree with MPI; chorus/comm/mpi.h and docs/mpi.md; a build without MPI throws
+// UsageError saying how to get it). "nccl" does not exist here (UsageError says what does).
+// init_method: env://, tcp://, file:// (see chorus/comm/rendezvous.h). rank / world_size < 0 come
+// from the URL or the environment.
 void init_process_group(const std::string& backend = "chorus", const std::string& init_method = "env://",
                         int rank = -1, int world_size = -1, InitOptions options = {});
 // The transport a backend name forces ("" for "chorus" and "gloo": the group's own choice).
