@@ -48,9 +48,10 @@ void train(const Job& cfg, chorus::train::AcceleratorOptions options) {
     model.eval();
     std::vector<at::Tensor> results;  // per item: correct (0/1), loss
     for (auto& batch : *test_loader) {
-      at::Tensor out = model(batch.data);
-      results.push_back(at::stack({out.argmax(1).eq(batch.target).to(at::kFloat),
-                                   torch::nll_loss(out, batch.target, {}, at::Reduction::None)}, 1));
+      at::Tensor target = batch.target.to(accelerator.device());
+      at::Tensor out = model(batch.data.to(accelerator.device()));
+      results.push_back(at::stack({out.argmax(1).eq(target).to(at::kFloat),
+                                   torch::nll_loss(out, target, {}, at::Reduction::None)}, 1));
     }
     at::Tensor all = accelerator.gather_for_metrics(at::cat(results), test_split.size()).mean(0);
     accelerator.log({{"test_accuracy", all[0].item<double>()}, {"test_loss", all[1].item<double>()}});
@@ -76,7 +77,8 @@ int main(int argc, char** argv) {
   app.add_option("--threads", cfg.threads, "intra-op threads per rank")->check(CLI::Range(1, 1024));
   app.add_option("--seed", o.seed, "seed of the weights, the data order and dropout");
   app.add_option("--accumulate", o.gradient_accumulation_steps, "micro-batches per optimizer step");
-  app.add_option("--mixed-precision", precision, "no or bf16")->check(CLI::IsMember({"no", "bf16", "fp16"}));
+  app.add_option("--mixed-precision", precision, "no, bf16, or fp16 (CUDA)")->check(CLI::IsMember({"no", "bf16", "fp16"}));
+  app.add_option("--device", o.device, "cpu, cuda (cuda:LOCAL_RANK) or cuda:N")->capture_default_str();
   app.add_option("--run-name", o.run_name, "records and state in runs/NAME")->capture_default_str();
   app.add_option("--checkpoint-every", o.checkpoint_every, "also save the state every N steps");
   auto* resume = app.add_flag("--resume", o.resume, "continue from the state saved in runs/NAME");

@@ -107,7 +107,10 @@ void train(const Job& job, chorus::train::AcceleratorOptions options) {
     torch::NoGradGuard no_grad;
     model.eval();
     std::vector<at::Tensor> correct;  // per test item, 0 or 1
-    for (auto& batch : test_loader) correct.push_back(model(batch.data).argmax(1).eq(batch.target).to(at::kFloat));
+    for (auto& batch : test_loader) {
+      at::Tensor out = model(batch.data.to(accelerator.device()));
+      correct.push_back(out.argmax(1).eq(batch.target.to(accelerator.device())).to(at::kFloat));
+    }
     const double accuracy =
         accelerator.gather_for_metrics(at::cat(correct), static_cast<int64_t>(test_set.size())).mean().item<double>();
     accelerator.log({{"test_accuracy", accuracy}});
@@ -140,6 +143,9 @@ int main(int argc, char** argv) {
   app.add_option("--max-steps", o.max_steps, "stop after this many optimizer steps (0: no limit)");
   app.add_option("--run-name", o.run_name, "records and state in runs/NAME")->capture_default_str();
   app.add_option("--nproc", nproc, "start this many local ranks (when no launcher started this process)");
+  app.add_option("--device", o.device, "cpu, cuda (cuda:LOCAL_RANK) or cuda:N")->capture_default_str();
+  std::string precision = "no";
+  app.add_option("--mixed-precision", precision, "no, bf16, or fp16 (CUDA)")->check(CLI::IsMember({"no", "bf16", "fp16"}));
   auto* resume = app.add_flag("--resume", o.resume, "continue from the state saved in runs/NAME");
   app.add_flag("--overwrite", o.overwrite, "delete the state saved in runs/NAME and start afresh")->excludes(resume);
   try {
@@ -147,5 +153,8 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;  // --help, or a usage error
   }
-  return chorus::train::run_job("transfer", nproc, [&] { train(job, o); });
+  return chorus::train::run_job("transfer", nproc, [&] {
+    o.mixed_precision = chorus::train::parse_mixed_precision(precision);
+    train(job, o);
+  });
 }

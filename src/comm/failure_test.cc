@@ -4,11 +4,13 @@
 
 #include <dirent.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <set>
 #include <thread>
+#include <vector>
 
 #include "chorus/comm/error.h"
 #include "chorus/comm/process_group.h"
@@ -182,6 +184,35 @@ TEST_P(Failure, MismatchedCountRaisesOnEveryRank) {
     EXPECT_NE(r.text.find("float32 x 1000"), std::string::npos);
     EXPECT_NE(r.text.find("float32 x 999"), std::string::npos);
   }
+}
+
+// ProcessGroup::run_local: steps run on the worker in issue order (the allreduce waits for the
+// slow fill queued before it), and a step that throws breaks the group on every rank: its own next
+// operation fails with the step's message, the peer's fails at once instead of timing out.
+TEST_P(Failure, LocalStepsRunInIssueOrderAndAFailingOneBreaksTheGroupEverywhere) {
+  auto reports = testing::run_ranks_independent(2, [&](int rank, int w) -> std::string {
+    auto pg = connect_process_group("env://", rank, w, opts(milliseconds(20000), rank, w));
+    std::vector<float> data(1000, 0.0f);
+    pg->run_local("slow fill", [&data, rank] {
+      std::this_thread::sleep_for(milliseconds(200));
+      std::fill(data.begin(), data.end(), static_cast<float>(rank + 1));
+    });
+    pg->allreduce(data.data(), data.size(), DataType::kFloat32)->wait();
+    for (float v : data) {
+      if (v != 3.0f) return "allreduce ran before the step queued ahead of it: " + std::to_string(v);
+    }
+    if (rank == 0) pg->run_local("stage for the test", [] { throw std::runtime_error("planted step failure"); });
+    const auto t0 = Clock::now();
+    const std::string got = outcome([&] { pg->allreduce(data.data(), data.size(), DataType::kFloat32)->wait(); });
+    if (seconds_since(t0) > 10) return "took " + std::to_string(seconds_since(t0)) + " s: " + got;
+    return got;
+  });
+  ASSERT_EQ(reports.size(), 2u);
+  for (const auto& r : reports) ASSERT_TRUE(r.exited && r.exit_code == 0) << "rank " << r.rank << ": " << r.text;
+  EXPECT_NE(reports[0].text.find("planted step failure"), std::string::npos) << reports[0].text;
+  EXPECT_EQ(reports[1].text.rfind("ok", 0), std::string::npos) << "rank 1's allreduce succeeded";
+  EXPECT_NE(reports[1].text.find("rank 0"), std::string::npos) << reports[1].text;
+  EXPECT_NE(reports[1].text.find("planted step failure"), std::string::npos) << reports[1].text;
 }
 
 TEST_P(Failure, PeerThatClosedItsGroupIsReportedAsSuch) {

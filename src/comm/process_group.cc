@@ -55,7 +55,32 @@ std::shared_ptr<Work> ProcessGroup::Impl::enqueue(wire::OpType op, DataType dtyp
   return work;
 }
 
+std::shared_ptr<Work> ProcessGroup::Impl::enqueue_local(std::string what, std::function<void()> fn) {
+  std::unique_lock<std::mutex> lock(mu);
+  if (stopping) throw UsageError(me() + ": " + what + " called on a process group that was shut down");
+  auto work = std::make_shared<WorkImpl>("rank " + std::to_string(rank) + ": " + what, this);
+  if (broken.load(std::memory_order_acquire)) {
+    work->finish(make_error(broken_class, me() + ": " + what + " not run: the process group is broken since an "
+                                                               "earlier operation failed: " + broken_msg));
+    return work;
+  }
+  Task task;
+  task.work = work;
+  task.call.op = wire::OpType::kBarrier;  // not sent: local tasks never reach the transport
+  task.run = [fn = std::move(fn)](WorkImpl&, const wire::Call&) { fn(); };
+  task.local = true;
+  queue.push_back(std::move(task));
+  lock.unlock();
+  cv.notify_one();
+  return work;
+}
+
 void ProcessGroup::Impl::execute(Task& task) {
+  if (task.local && broken.load(std::memory_order_acquire)) {
+    task.work->finish(make_error(broken_class, me() + ": a local step not run: the process group is broken since "
+                                                   "an earlier operation failed: " + broken_msg));
+    return;
+  }
   if (broken.load(std::memory_order_acquire)) {
     task.work->finish(make_error(broken_class, me() + ": " + wire::describe(task.call) +
                                                    " not run: the process group is broken since an "
@@ -64,7 +89,7 @@ void ProcessGroup::Impl::execute(Task& task) {
   }
   try {
     task.work->started();
-    transport->begin(task.call, net::deadline_after(opts.timeout));
+    if (!task.local) transport->begin(task.call, net::deadline_after(opts.timeout));
     task.run(*task.work, task.call);
     task.work->finish(nullptr);
   } catch (const std::exception& e) {

@@ -126,6 +126,7 @@ struct Task {
   std::shared_ptr<WorkImpl> work;
   wire::Call call;
   std::function<void(WorkImpl&, const wire::Call&)> run;
+  bool local = false;  // ProcessGroup::run_local: no wire call, nothing to begin on the transport
 };
 
 }  // namespace detail
@@ -176,6 +177,8 @@ struct ProcessGroup::Impl final : detail::InlineRunner {
 
   std::shared_ptr<Work> enqueue(wire::OpType op, DataType dtype, ReduceOp rop, uint64_t count, int64_t arg,
                                 std::function<void(detail::WorkImpl&, const wire::Call&)> run, int p2p_peer = -1);
+  // A run_local step: queued like an operation, without a sequence number or a wire call.
+  std::shared_ptr<Work> enqueue_local(std::string what, std::function<void()> fn);
   void execute(detail::Task& task);
   bool run_inline(const detail::WorkImpl* work) override;
   // The worker thread: runs the queued operations in order until shutdown.

@@ -21,6 +21,11 @@ using algo::Scratch;
 using wire::Call;
 using wire::OpType;
 
+std::shared_ptr<Work> ProcessGroup::run_local(std::string what, std::function<void()> fn) {
+  if (!fn) throw UsageError(impl_->me() + ": run_local(" + what + "): the function is empty");
+  return impl_->enqueue_local(std::move(what), std::move(fn));
+}
+
 std::shared_ptr<Work> ProcessGroup::allreduce(void* data, size_t count, DataType dtype, ReduceOp op) {
   Impl& m = *impl_;
   m.check_buffer(data, count, "allreduce");

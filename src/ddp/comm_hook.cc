@@ -55,6 +55,11 @@ class CompressHook final : public CommHook {
       const auto type = flat.scalar_type();
       if (!at::isFloatingType(type) || type == at::kHalf || type == at::kBFloat16) continue;
       const int64_t n = flat.numel();
+      if (flat.is_cuda()) {  // on the device, next to the bucket; staged like it
+        wire_[b] = at::empty({n}, flat.options().dtype(wire_type_).requires_grad(false));
+        memory.bytes += static_cast<int64_t>(wire_[b].nbytes());
+        continue;
+      }
       std::shared_ptr<Buffer> buf = buckets[b].group->allocate_buffer(static_cast<size_t>(n) * c10::elementSize(wire_type_));
       memory.bytes += static_cast<int64_t>(buf->size());
       if (buf->shared()) memory.shared_bytes += static_cast<int64_t>(buf->size());

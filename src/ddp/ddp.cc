@@ -179,6 +179,25 @@ struct Reducer::Impl {
 
   void broadcast_from(int root, std::vector<at::Tensor>& tensors) {
     if (world == 1 || tensors.empty()) return;
+    if (tensors.front().is_cuda()) {
+      // On a GPU every collective is staged through host memory: one flat broadcast per dtype
+      // (in dtype order, the same on every rank) instead of one per tensor.
+      torch::NoGradGuard no_grad;
+      std::map<int, std::vector<at::Tensor*>> by_type;
+      for (auto& t : tensors) by_type[static_cast<int>(t.scalar_type())].push_back(&t);
+      for (auto& [type, group] : by_type) {
+        std::vector<at::Tensor> flat_parts;
+        for (at::Tensor* t : group) flat_parts.push_back(t->reshape({-1}));
+        at::Tensor flat = at::cat(flat_parts);
+        dist::broadcast(flat, root, pg);
+        int64_t offset = 0;
+        for (at::Tensor* t : group) {
+          t->copy_(flat.narrow(0, offset, t->numel()).view(t->sizes()));
+          offset += t->numel();
+        }
+      }
+      return;
+    }
     std::vector<std::shared_ptr<Work>> works;
     for (auto& t : tensors) works.push_back(dist::broadcast(t, root, pg, /*async_op=*/true));
     for (auto& w : works) w->wait();
@@ -449,9 +468,14 @@ struct Reducer::Impl {
         described.push_back(item.key() + " = " + it->second);
         continue;
       }
-      if (!p.device().is_cpu() || !p.is_contiguous() || p.layout() != at::kStrided) {
-        throw UsageError(me() + ": parameter " + item.key() +
-                         " must be a dense, contiguous CPU tensor (chorus collectives run on the CPU)");
+      if (!(p.device().is_cpu() || p.device().is_cuda()) || !p.is_contiguous() || p.layout() != at::kStrided) {
+        throw UsageError(me() + ": parameter " + item.key() + " must be a dense, contiguous CPU or CUDA tensor; it is " +
+                         (p.is_contiguous() ? "" : "non-contiguous ") + "on " + p.device().str());
+      }
+      if (!state.empty() && p.device() != state.front().device()) {
+        throw UsageError(me() + ": parameter " + item.key() + " is on " + p.device().str() + " but the first one is on " +
+                         state.front().device().str() + ": move the whole model to one device (module->to(device)) "
+                         "before wrapping it");
       }
       described.push_back(describe_tensor(item.key(), p) + (p.requires_grad() ? "" : " frozen"));
       state.push_back(p);
@@ -488,8 +512,9 @@ struct Reducer::Impl {
         total += params[i].numel();
       }
       const at::Tensor& first = params[bucket.params[0]];
-      if (opts.compression != Compression::kNone) {
-        // The compression hook's wire buffers are what travels (CompressHook::prepare).
+      if (opts.compression != Compression::kNone || first.is_cuda()) {
+        // The compression hook's wire buffers are what travels (CompressHook::prepare). On a GPU the
+        // bucket stays on the device; the collective stages it through pinned host memory.
         bucket.flat = at::zeros({total}, first.options().requires_grad(false));
       } else {
         // What travels lives in memory from the group's allocate_buffer (collective: every rank

@@ -6,6 +6,7 @@
 // PyTorch leaves None). The script defines the model, the values and the data; this side mirrors it.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include <cstdio>
@@ -17,6 +18,7 @@
 
 #include "chorus/ddp/ddp.h"
 #include "chorus/torch/distributed.h"
+#include "cuda_probe.h"
 #include "parity_util.h"
 #include "testing.h"
 
@@ -71,7 +73,8 @@ bool uses_branch(int step, int rank) { return (step + rank) % 3 == 0; }
 
 using parity::flat;
 
-void train_rank(int rank, int world, const std::string& optimizer, bool bucket_view, const std::string& dir) {
+void train_rank(int rank, int world, const std::string& optimizer, bool bucket_view, const std::string& dir,
+                const torch::Device& device = torch::kCPU) {
   dist::init_process_group();
   ParityNet net;
   auto params = net->named_parameters();
@@ -82,6 +85,8 @@ void train_rank(int rank, int world, const std::string& optimizer, bool bucket_v
       p.copy_(init_value(static_cast<int>(k), p.sizes(), rank, kNames[k].rfind("frozen", 0) == 0));
     }
   }
+  net->to(device);
+  params = net->named_parameters();
   Options o;
   o.find_unused_parameters = true;
   o.gradient_as_bucket_view = bucket_view;
@@ -107,6 +112,8 @@ void train_rank(int rank, int world, const std::string& optimizer, bool bucket_v
   for (int step = 0; step < kSteps; ++step) {
     opt->zero_grad();
     auto [x, y] = batch(step, rank, world);
+    x = x.to(device);
+    y = y.to(device);
     torch::nn::functional::cross_entropy(ddp.forward(x, uses_branch(step, rank)), y).backward();
     opt->step();
   }
@@ -148,6 +155,44 @@ TEST_P(TorchParity, ParametersAndGradsMatchPyTorchDdp) {
   EXPECT_EQ(status, 0) << output;
   EXPECT_NE(output.find("OK: "), std::string::npos) << output;
 }
+
+// The same on one GPU shared by both ranks (buckets on the device, staged collectives), against
+// PyTorch's DDP on the same GPU (gloo with CUDA tensors). Skipped where libtorch sees no CUDA device.
+class CudaParity : public ::testing::TestWithParam<std::tuple<std::string, bool>> {};
+
+TEST_P(CudaParity, ParametersAndGradsMatchPyTorchDdpOnTheGpu) {
+  const auto& [optimizer, bucket_view] = GetParam();
+  const int world = 2;
+  const std::string why = testing::cuda_unavailable_reason();
+  if (!why.empty()) GTEST_SKIP() << why;
+  const std::string python = testing::parity_python();
+  int status = 0;
+  testing::run_capture(python + " -c 'import torch; assert torch.cuda.is_available()' >/dev/null 2>&1", &status);
+  if (status != 0) GTEST_SKIP() << python << " cannot use torch.cuda; no reference to compare";
+
+  char tmpl[] = "/tmp/chorus-ddp-cuda-parity-XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl;
+  const std::string err = testing::run_ranks(world, [&](int r, int w, std::shared_ptr<Store>) {
+    train_rank(r, w, optimizer, bucket_view, dir, torch::Device(torch::kCUDA, 0));
+  }, std::chrono::seconds(120));
+  std::string output;
+  if (err.empty()) {
+    output = testing::run_capture(python + " " + CHORUS_DDP_PARITY_SCRIPT + " --dir " + dir + " --world 2 --optimizer " +
+                                      optimizer + " --bucket-view " + (bucket_view ? "1" : "0") + " --device cuda 2>&1",
+                                  &status);
+  }
+  std::filesystem::remove_all(dir);
+  ASSERT_EQ(err, "");
+  EXPECT_EQ(status, 0) << output;
+  EXPECT_NE(output.find("OK: "), std::string::npos) << output;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, CudaParity,
+                         ::testing::Combine(::testing::Values(std::string("sgd"), std::string("adam")), ::testing::Bool()),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + (std::get<1>(info.param) ? "_views" : "_copies");
+                         });
 
 INSTANTIATE_TEST_SUITE_P(
     Cases, TorchParity,

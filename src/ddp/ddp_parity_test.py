@@ -3,7 +3,7 @@
 processes) on the model, data and optimizer that src/ddp/ddp_parity_test.cc runs through chorus,
 and compares every rank's parameters and .grad fields with the JSON files chorus's ranks wrote.
 
-usage: ddp_parity_test.py --dir DIR --world W --optimizer sgd|adam --bucket-view 0|1
+usage: ddp_parity_test.py --dir DIR --world W --optimizer sgd|adam --bucket-view 0|1 [--device cpu|cuda]
 
 The model holds what PyTorch's DDP treats specially: a frozen layer whose ranks start different
 (DDP must broadcast it), a branch only some ranks use on some steps (locally unused), a head no
@@ -79,6 +79,7 @@ def worker(rank, world, args, queue):
         with torch.no_grad():
             for k, name in enumerate(NAMES):
                 params[name].copy_(init_value(k, params[name].shape, rank, name.startswith("frozen")))
+        net.to(args.device)
         ddp = torch.nn.parallel.DistributedDataParallel(
             net, find_unused_parameters=True, gradient_as_bucket_view=bool(args.bucket_view))
         if args.optimizer == "sgd":
@@ -88,13 +89,14 @@ def worker(rank, world, args, queue):
         for step in range(STEPS):
             opt.zero_grad()
             x, y = batch(step, rank, world)
+            x, y = x.to(args.device), y.to(args.device)
             F.cross_entropy(ddp(x, uses_branch(step, rank)), y).backward()
             opt.step()
         out = {}
         for name in NAMES:
             p = params[name]
-            out[name] = {"values": p.detach().reshape(-1).tolist(),
-                         "grad": None if p.grad is None else p.grad.reshape(-1).tolist()}
+            out[name] = {"values": p.detach().cpu().reshape(-1).tolist(),
+                         "grad": None if p.grad is None else p.grad.cpu().reshape(-1).tolist()}
         dist.destroy_process_group()
         queue.put((rank, out))
     except Exception as e:  # reported by the parent, which fails
@@ -110,6 +112,7 @@ def main():
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--optimizer", choices=["sgd", "adam"], required=True)
     parser.add_argument("--bucket-view", type=int, choices=[0, 1], required=True)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: both sides on the one GPU (gloo stages it)")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -132,8 +135,9 @@ def main():
             compare("rank %d %s.grad" % (rank, name), ref[name]["grad"], ours[name]["grad"], tol, problems)
     for line in problems:
         print(line)
-    print("%s: W=%d optimizer=%s gradient_as_bucket_view=%d, %d parameters on %d ranks" % (
-        "MISMATCH" if problems else "OK", args.world, args.optimizer, args.bucket_view, len(NAMES), args.world))
+    print("%s: W=%d optimizer=%s gradient_as_bucket_view=%d device=%s, %d parameters on %d ranks" % (
+        "MISMATCH" if problems else "OK", args.world, args.optimizer, args.bucket_view, args.device, len(NAMES),
+        args.world))
     return 1 if problems else 0
 
 

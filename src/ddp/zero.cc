@@ -12,6 +12,7 @@
 
 #include "agreement.h"
 #include "chorus/comm/error.h"
+#include "chorus/torch/compat.h"
 #include "chorus/torch/distributed.h"
 
 namespace chorus::ddp {
@@ -34,8 +35,8 @@ std::vector<int> zero_partition(const std::vector<int64_t>& numels, int world_si
 
 namespace {
 
-// libtorch's key for a parameter's entry in Optimizer::state().
-std::string state_key(const at::Tensor& p) { return c10::guts::to_string(p.unsafeGetTensorImpl()); }
+// libtorch's key for a parameter's entry in Optimizer::state() (its type differs between versions).
+auto state_key(const torch::optim::Optimizer& o, const at::Tensor& p) { return compat::optimizer_state_key(o, p); }
 
 std::vector<at::Tensor> all_params(const torch::optim::Optimizer& o) {
   std::vector<at::Tensor> out;
@@ -339,8 +340,8 @@ void ZeroRedundancyOptimizer::load_state_dict(const torch::optim::Optimizer& uns
   }
   m.local->state().clear();
   for (size_t i : m.shard[static_cast<size_t>(m.rank)]) {
-    auto it = unsharded.state().find(state_key(theirs[i]));
-    if (it != unsharded.state().end()) m.local->state()[state_key(m.params[i])] = deep_clone(*it->second);
+    auto it = unsharded.state().find(state_key(unsharded, theirs[i]));
+    if (it != unsharded.state().end()) m.local->state()[state_key(*m.local, m.params[i])] = deep_clone(*it->second);
   }
 }
 

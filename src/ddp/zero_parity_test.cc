@@ -16,6 +16,7 @@
 
 #include "chorus/ddp/ddp.h"
 #include "chorus/ddp/zero.h"
+#include "chorus/torch/compat.h"
 #include "chorus/torch/distributed.h"
 #include "parity_util.h"
 #include "testing.h"
@@ -57,7 +58,7 @@ using parity::flat;
 
 // The consolidated state of one parameter under PyTorch's keys; null when it has none.
 nlohmann::json state_json(const torch::optim::Optimizer& o, const torch::Tensor& p) {
-  auto it = o.state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+  auto it = o.state().find(compat::optimizer_state_key(o, p));
   if (it == o.state().end()) return nullptr;
   if (auto* s = dynamic_cast<const torch::optim::SGDParamState*>(it->second.get())) {
     return {{"momentum_buffer", flat(s->momentum_buffer())}};

@@ -15,6 +15,7 @@
 #include "chorus/comm/error.h"
 #include "chorus/ddp/ddp.h"
 #include "chorus/models/resnet.h"
+#include "chorus/torch/compat.h"
 #include "chorus/torch/distributed.h"
 #include "chorus/train/checkpoint.h"
 #include "testing.h"
@@ -62,7 +63,7 @@ OptimizerFactory factory(const std::string& kind) {
 
 // The per-parameter state as tensors (Adam's step count as a tensor too); empty when there is none.
 std::vector<torch::Tensor> state_of(const torch::optim::Optimizer& o, const torch::Tensor& p) {
-  auto it = o.state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+  auto it = o.state().find(compat::optimizer_state_key(o, p));
   if (it == o.state().end()) return {};
   if (auto* s = dynamic_cast<const torch::optim::SGDParamState*>(it->second.get())) return {s->momentum_buffer()};
   if (auto* a = dynamic_cast<const torch::optim::AdamParamState*>(it->second.get())) {

@@ -10,6 +10,7 @@
 
 #include "chorus/comm/error.h"
 #include "chorus/comm/mpi.h"
+#include "staging.h"
 
 namespace chorus::dist {
 namespace {
@@ -59,9 +60,9 @@ void check_tensor(const at::Tensor& t, const char* op, const char* name = "tenso
   std::string where = std::string("chorus::dist::") + op + ": " + name;
   if (!t.defined()) throw UsageError(where + " is undefined");
   if (t.layout() != at::kStrided) throw UsageError(where + " must be dense (strided); call .to_dense()");
-  if (!t.device().is_cpu()) {
+  if (!t.device().is_cpu() && !t.device().is_cuda()) {
     throw UsageError(where + " is on " + t.device().str() +
-                     "; chorus collectives take CPU tensors: copy with .cpu() and back with .to(device)");
+                     "; chorus collectives take CPU and CUDA tensors: copy with .cpu() and back with .to(device)");
   }
   if (!t.is_contiguous()) throw UsageError(where + " is not contiguous; call .contiguous() first");
   to_data_type(t.scalar_type());
@@ -96,6 +97,61 @@ WorkPtr finish(std::shared_ptr<Work> inner, std::vector<at::Tensor> keep, bool a
 
 void destroy_at_exit() { destroy_process_group(); }
 
+// Device tensors (staging.h). Every tensor of one call must be on the same device.
+c10::Device device_of(const char* op, std::initializer_list<const at::Tensor*> tensors) {
+  const at::Tensor* first = nullptr;
+  for (const at::Tensor* t : tensors) {
+    if (t == nullptr || !t->defined()) continue;
+    if (first == nullptr) {
+      first = t;
+    } else if (t->device() != first->device()) {
+      throw UsageError(std::string("chorus::dist::") + op + ": tensors on " + first->device().str() + " and " +
+                       t->device().str() + " in one call; put them on one device");
+    }
+  }
+  return first != nullptr ? first->device() : c10::Device(at::kCPU);
+}
+
+// An in-place collective on a device tensor in pieces (staging::pieces): each piece's copy to the
+// host, its collective and its copy back are queued in that order, so one piece's copies overlap
+// another's transfer. `sends(rank)` / `receives(rank)`: whether this rank's data goes out / comes back.
+WorkPtr staged_in_place(ProcessGroup& pg, const char* op, const at::Tensor& t, bool sends, bool receives,
+                        const std::function<std::shared_ptr<Work>(void* data, size_t count)>& issue, bool async_op) {
+  staging::Call call(pg, t.device(), op);
+  at::Tensor host = call.host_like(t);
+  at::Tensor flat = t.view({-1});
+  const auto parts = staging::pieces(t.numel(), t.element_size(), staging::chunk_bytes());
+  std::vector<std::shared_ptr<c10::Event>> copied;
+  if (sends) {
+    for (const auto& [off, n] : parts) copied.push_back(call.copy_to_host(flat.narrow(0, off, n), host.narrow(0, off, n)));
+  }
+  for (size_t k = 0; k < parts.size(); ++k) {
+    const auto [off, n] = parts[k];
+    if (sends) call.wait_copy(copied[k]);
+    call.add(issue(static_cast<char*>(host.data_ptr()) + off * t.element_size(), static_cast<size_t>(n)));
+    if (receives) call.copy_to_device(host.narrow(0, off, n), flat.narrow(0, off, n));
+  }
+  return call.finish({t, host}, async_op);
+}
+
+// A collective that reads `in` and writes `out` (either may be undefined on a rank that does not
+// take part in that direction), whole: `issue` gets their host copies' pointers.
+WorkPtr staged_whole(ProcessGroup& pg, const char* op, const at::Tensor& in, const at::Tensor& out,
+                     const std::function<std::shared_ptr<Work>(const void* in, void* out)>& issue, bool async_op,
+                     std::function<void()> done = {}) {
+  staging::Call call(pg, device_of(op, {&in, &out}), op);
+  at::Tensor host_in = in.defined() ? call.host_like(in) : at::Tensor();
+  at::Tensor host_out = out.defined() ? call.host_like(out) : at::Tensor();
+  if (in.defined()) call.wait_copy(call.copy_to_host(in, host_in));
+  call.add(issue(in.defined() ? host_in.data_ptr() : nullptr, out.defined() ? host_out.data_ptr() : nullptr));
+  if (out.defined()) call.copy_to_device(host_out, out);
+  std::vector<at::Tensor> keep;
+  for (const auto& t : {in, out, host_in, host_out}) {
+    if (t.defined()) keep.push_back(t);
+  }
+  return call.finish(std::move(keep), async_op, std::move(done));
+}
+
 }  // namespace
 
 WorkPtr then(WorkPtr inner, std::function<void()> finish, std::vector<at::Tensor> keep) {
@@ -125,11 +181,11 @@ std::string transport_for_backend(const std::string& backend) {
   if (backend == "chorus" || backend == "gloo") return "";
   if (backend == "tcp" || backend == "shm" || backend == "hybrid" || backend == "mpi") return backend;
   const std::string exists =
-      "chorus's backends are \"chorus\" (alias \"gloo\": CPU tensors, shared memory within a host and TCP "
-      "between hosts), one transport forced: \"tcp\", \"shm\" or \"hybrid\", or \"mpi\" (Open MPI, under mpirun)";
+      "chorus's backends are \"chorus\" (alias \"gloo\": CPU and CUDA tensors, shared memory within a host and "
+      "TCP between hosts), one transport forced: \"tcp\", \"shm\" or \"hybrid\", or \"mpi\" (Open MPI, under mpirun)";
   if (backend == "nccl") {
-    throw UsageError("chorus::dist::init_process_group: backend \"nccl\" is not available: chorus has no GPU "
-                     "collectives and works on CPU tensors; " + exists);
+    throw UsageError("chorus::dist::init_process_group: backend \"nccl\" is not available: chorus's backends take "
+                     "CUDA tensors too, staged through pinned host memory (docs/gpu.md); " + exists);
   }
   throw UsageError("chorus::dist::init_process_group: unknown backend '" + backend + "'; " + exists);
 }
@@ -194,18 +250,43 @@ std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks) { return 
 
 WorkPtr all_reduce(const at::Tensor& t, ReduceOp op, ProcessGroup* group, bool async_op) {
   check_tensor(t, "all_reduce");
+  if (staging::on_device(t)) {
+    ProcessGroup& pg = group_or_default(group);
+    const DataType type = reduce_type(t, "all_reduce");
+    if (pg.size() == 1) return finish(pg.run_local("all_reduce at world size 1", [] {}), {}, async_op);
+    return staged_in_place(pg, "all_reduce", t, true, true, [&pg, type, op](void* data, size_t n) {
+      return pg.allreduce(data, n, type, op);
+    }, async_op);
+  }
   auto w = group_or_default(group).allreduce(t.data_ptr(), static_cast<size_t>(t.numel()), reduce_type(t, "all_reduce"), op);
   return finish(std::move(w), {t}, async_op);
 }
 
 WorkPtr broadcast(const at::Tensor& t, int src, ProcessGroup* group, bool async_op) {
   check_tensor(t, "broadcast");
+  if (staging::on_device(t)) {
+    ProcessGroup& pg = group_or_default(group);
+    const DataType type = copy_type(t);
+    if (pg.size() == 1) return finish(pg.run_local("broadcast at world size 1", [] {}), {}, async_op);
+    const bool root = pg.rank() == src;
+    return staged_in_place(pg, "broadcast", t, root, !root, [&pg, type, src](void* data, size_t n) {
+      return pg.broadcast(data, n, type, src);
+    }, async_op);
+  }
   auto w = group_or_default(group).broadcast(t.data_ptr(), static_cast<size_t>(t.numel()), copy_type(t), src);
   return finish(std::move(w), {t}, async_op);
 }
 
 WorkPtr reduce(const at::Tensor& t, int dst, ReduceOp op, ProcessGroup* group, bool async_op) {
   check_tensor(t, "reduce");
+  if (staging::on_device(t)) {
+    ProcessGroup& pg = group_or_default(group);
+    const DataType type = reduce_type(t, "reduce");
+    if (pg.size() == 1) return finish(pg.run_local("reduce at world size 1", [] {}), {}, async_op);
+    return staged_in_place(pg, "reduce", t, true, pg.rank() == dst, [&pg, type, op, dst](void* data, size_t n) {
+      return pg.reduce(data, n, type, op, dst);
+    }, async_op);
+  }
   auto w = group_or_default(group).reduce(t.data_ptr(), static_cast<size_t>(t.numel()), reduce_type(t, "reduce"), op, dst);
   return finish(std::move(w), {t}, async_op);
 }
@@ -218,7 +299,14 @@ WorkPtr all_gather_into_tensor(const at::Tensor& output, const at::Tensor& input
     throw UsageError("chorus::dist::all_gather_into_tensor: output must have world_size x input's elements (" +
                      std::to_string(input.numel() * pg.size()) + ") and input's dtype");
   }
-  auto w = pg.allgather(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()), copy_type(input));
+  const DataType type = copy_type(input);
+  const auto count = static_cast<size_t>(input.numel());
+  if (staging::on_device(input) || staging::on_device(output)) {
+    return staged_whole(pg, "all_gather_into_tensor", input, output, [&pg, type, count](const void* in, void* out) {
+      return pg.allgather(in, out, count, type);
+    }, async_op);
+  }
+  auto w = pg.allgather(input.data_ptr(), output.data_ptr(), count, type);
   return finish(std::move(w), {output, input}, async_op);
 }
 
@@ -234,12 +322,20 @@ WorkPtr all_gather(std::vector<at::Tensor>& tensor_list, const at::Tensor& tenso
     check_like(tensor, tensor_list[i], "all_gather", "tensor_list[" + std::to_string(i) + "]");
   }
   at::Tensor flat = at::empty({pg.size() * tensor.numel()}, tensor.options());
-  auto w = pg.allgather(tensor.data_ptr(), flat.data_ptr(), static_cast<size_t>(tensor.numel()), copy_type(tensor));
   std::vector<at::Tensor> outs = tensor_list;  // shallow handles to the same storage
-  return finish(std::move(w), {flat, tensor}, async_op, [flat, outs]() mutable {
+  auto unpack = [flat, outs]() mutable {
     auto blocks = flat.chunk(static_cast<int64_t>(outs.size()));
     for (size_t i = 0; i < outs.size(); ++i) outs[i].view({-1}).copy_(blocks[i]);
-  });
+  };
+  const DataType type = copy_type(tensor);
+  const auto count = static_cast<size_t>(tensor.numel());
+  if (staging::on_device(tensor)) {
+    return staged_whole(pg, "all_gather", tensor, flat, [&pg, type, count](const void* in, void* out) {
+      return pg.allgather(in, out, count, type);
+    }, async_op, unpack);
+  }
+  auto w = pg.allgather(tensor.data_ptr(), flat.data_ptr(), count, type);
+  return finish(std::move(w), {flat, tensor}, async_op, unpack);
 }
 
 WorkPtr gather(const at::Tensor& tensor, std::vector<at::Tensor>* gather_list, int dst, ProcessGroup* group,
@@ -260,13 +356,20 @@ WorkPtr gather(const at::Tensor& tensor, std::vector<at::Tensor>* gather_list, i
     outs = *gather_list;
     flat = at::empty({pg.size() * tensor.numel()}, tensor.options());
   }
-  auto w = pg.gather(tensor.data_ptr(), flat.defined() ? flat.data_ptr() : nullptr,
-                     static_cast<size_t>(tensor.numel()), copy_type(tensor), dst);
-  return finish(std::move(w), {tensor}, async_op, [flat, outs]() mutable {
+  auto unpack = [flat, outs]() mutable {
     if (!flat.defined()) return;
     auto blocks = flat.chunk(static_cast<int64_t>(outs.size()));
     for (size_t i = 0; i < outs.size(); ++i) outs[i].view({-1}).copy_(blocks[i]);
-  });
+  };
+  const DataType type = copy_type(tensor);
+  const auto count = static_cast<size_t>(tensor.numel());
+  if (staging::on_device(tensor)) {
+    return staged_whole(pg, "gather", tensor, flat, [&pg, type, count, dst](const void* in, void* out) {
+      return pg.gather(in, out, count, type, dst);
+    }, async_op, unpack);
+  }
+  auto w = pg.gather(tensor.data_ptr(), flat.defined() ? flat.data_ptr() : nullptr, count, type, dst);
+  return finish(std::move(w), {tensor}, async_op, unpack);
 }
 
 WorkPtr scatter(const at::Tensor& tensor, const std::vector<at::Tensor>* scatter_list, int src, ProcessGroup* group,
@@ -284,8 +387,15 @@ WorkPtr scatter(const at::Tensor& tensor, const std::vector<at::Tensor>* scatter
     for (const auto& t : *scatter_list) flat_parts.push_back(t.reshape({-1}));
     flat = at::cat(flat_parts).contiguous();
   }
-  auto w = pg.scatter(flat.defined() ? flat.data_ptr() : nullptr, tensor.data_ptr(),
-                      static_cast<size_t>(tensor.numel()), copy_type(tensor), src);
+  const DataType type = copy_type(tensor);
+  const auto count = static_cast<size_t>(tensor.numel());
+  if (staging::on_device(tensor)) {
+    if (flat.defined() && flat.device() != tensor.device()) flat = flat.to(tensor.device());
+    return staged_whole(pg, "scatter", flat, tensor, [&pg, type, count, src](const void* in, void* out) {
+      return pg.scatter(in, out, count, type, src);
+    }, async_op);
+  }
+  auto w = pg.scatter(flat.defined() ? flat.data_ptr() : nullptr, tensor.data_ptr(), count, type, src);
   std::vector<at::Tensor> keep = {tensor};
   if (flat.defined()) keep.push_back(flat);
   return finish(std::move(w), std::move(keep), async_op);
@@ -300,8 +410,14 @@ WorkPtr reduce_scatter_tensor(const at::Tensor& output, const at::Tensor& input,
     throw UsageError("chorus::dist::reduce_scatter_tensor: input must have world_size x output's elements (" +
                      std::to_string(output.numel() * pg.size()) + ") and output's dtype");
   }
-  auto w = pg.reduce_scatter(input.data_ptr(), output.data_ptr(), static_cast<size_t>(output.numel()),
-                             reduce_type(output, "reduce_scatter_tensor"), op);
+  const DataType type = reduce_type(output, "reduce_scatter_tensor");
+  const auto count = static_cast<size_t>(output.numel());
+  if (staging::on_device(input) || staging::on_device(output)) {
+    return staged_whole(pg, "reduce_scatter_tensor", input, output, [&pg, type, count, op](const void* in, void* out) {
+      return pg.reduce_scatter(in, out, count, type, op);
+    }, async_op);
+  }
+  auto w = pg.reduce_scatter(input.data_ptr(), output.data_ptr(), count, type, op);
   return finish(std::move(w), {output, input}, async_op);
 }
 
@@ -334,8 +450,14 @@ WorkPtr all_to_all_single(const at::Tensor& output, const at::Tensor& input, Pro
   if (input.data_ptr() == output.data_ptr()) {
     throw UsageError("chorus::dist::all_to_all_single: input and output must not share memory");
   }
-  auto w = pg.alltoall(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel() / pg.size()),
-                       copy_type(input));
+  const DataType type = copy_type(input);
+  const auto count = static_cast<size_t>(input.numel() / pg.size());
+  if (staging::on_device(input) || staging::on_device(output)) {
+    return staged_whole(pg, "all_to_all_single", input, output, [&pg, type, count](const void* in, void* out) {
+      return pg.alltoall(in, out, count, type);
+    }, async_op);
+  }
+  auto w = pg.alltoall(input.data_ptr(), output.data_ptr(), count, type);
   return finish(std::move(w), {output, input}, async_op);
 }
 
@@ -345,12 +467,28 @@ WorkPtr barrier(ProcessGroup* group, bool async_op) {
 
 WorkPtr isend(const at::Tensor& t, int dst, int tag, ProcessGroup* group) {
   check_tensor(t, "send");
+  if (staging::on_device(t)) {
+    ProcessGroup& pg = group_or_default(group);
+    const DataType type = copy_type(t);
+    const auto count = static_cast<size_t>(t.numel());
+    return staged_whole(pg, "send", t, at::Tensor(), [&pg, type, count, dst, tag](const void* in, void*) {
+      return pg.send(in, count, type, dst, tag);
+    }, true);
+  }
   auto w = group_or_default(group).send(t.data_ptr(), static_cast<size_t>(t.numel()), copy_type(t), dst, tag);
   return finish(std::move(w), {t}, true);
 }
 
 WorkPtr irecv(const at::Tensor& t, int src, int tag, ProcessGroup* group) {
   check_tensor(t, "recv");
+  if (staging::on_device(t)) {
+    ProcessGroup& pg = group_or_default(group);
+    const DataType type = copy_type(t);
+    const auto count = static_cast<size_t>(t.numel());
+    return staged_whole(pg, "recv", at::Tensor(), t, [&pg, type, count, src, tag](const void*, void* out) {
+      return pg.recv(out, count, type, src, tag);
+    }, true);
+  }
   auto w = group_or_default(group).recv(t.data_ptr(), static_cast<size_t>(t.numel()), copy_type(t), src, tag);
   return finish(std::move(w), {t}, true);
 }

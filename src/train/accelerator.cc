@@ -5,6 +5,7 @@
 #include "chorus/train/accelerator.h"
 
 #include <ATen/autocast_mode.h>
+#include <torch/cuda.h>
 #include <torch/nn/utils/clip_grad.h>
 #include <unistd.h>
 
@@ -22,6 +23,7 @@
 #include "accelerator_internal.h"
 #include "chorus/comm/rendezvous.h"
 #include "chorus/comm/signals.h"
+#include "chorus/torch/compat.h"
 #include "chorus/train/checkpoint.h"
 
 namespace chorus::train {
@@ -29,12 +31,13 @@ namespace chorus::train {
 namespace fs = std::filesystem;
 
 
-AutocastGuard::AutocastGuard(bool enabled) : enabled_(enabled) {
+AutocastGuard::AutocastGuard(c10::DeviceType device, c10::ScalarType dtype, bool enabled)
+    : enabled_(enabled), device_(device), dtype_(dtype) {
   if (!enabled_) return;
-  previous_enabled_ = at::autocast::is_cpu_enabled();
-  previous_dtype_ = at::autocast::get_autocast_cpu_dtype();
-  at::autocast::set_cpu_enabled(true);
-  at::autocast::set_autocast_cpu_dtype(at::kBFloat16);
+  previous_enabled_ = compat::autocast_enabled(device_);
+  previous_dtype_ = compat::autocast_dtype(device_);
+  compat::set_autocast_enabled(device_, true);
+  compat::set_autocast_dtype(device_, dtype_);
   at::autocast::increment_nesting();
 }
 
@@ -43,8 +46,54 @@ AutocastGuard::~AutocastGuard() {
   // As torch.autocast's __exit__: the cast weights are cached only while autocast is entered, so
   // an optimizer step in between is never hidden behind a stale bfloat16 copy.
   if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-  at::autocast::set_cpu_enabled(previous_enabled_);
-  at::autocast::set_autocast_cpu_dtype(previous_dtype_);
+  compat::set_autocast_enabled(device_, previous_enabled_);
+  compat::set_autocast_dtype(device_, previous_dtype_);
+}
+
+namespace detail {
+c10::Device resolve_device(const std::string& spec, int local_rank, int cuda_devices) {
+  if (spec == "cpu") return c10::Device(c10::DeviceType::CPU);
+  if (spec == "cuda" || spec.rfind("cuda:", 0) == 0) {
+    if (cuda_devices <= 0) {
+      throw UsageError("Accelerator: device '" + spec + "' but libtorch sees no CUDA device (a CPU-only libtorch, "
+                       "or no GPU on this machine); use device \"cpu\"");
+    }
+    int index = std::max(local_rank, 0) % cuda_devices;
+    if (spec != "cuda") {
+      const std::string digits = spec.substr(5);
+      if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos || digits.size() > 3) {
+        throw UsageError("Accelerator: device '" + spec + "' is not cuda:N");
+      }
+      index = std::stoi(digits);
+      if (index >= cuda_devices) {
+        throw UsageError("Accelerator: device '" + spec + "' but only " + std::to_string(cuda_devices) +
+                         " CUDA device(s) are visible (cuda:0 to cuda:" + std::to_string(cuda_devices - 1) + ")");
+      }
+    }
+    return c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(index));
+  }
+  throw UsageError("Accelerator: device '" + spec + "' is not one of cpu, cuda, cuda:N");
+}
+
+int local_rank_from_environment(int rank) {
+  for (const char* name : {"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"}) {
+    const char* v = std::getenv(name);
+    if (v != nullptr && *v != '\0') {
+      char* end = nullptr;
+      const long n = std::strtol(v, &end, 10);
+      if (*end == '\0' && n >= 0 && n < 1 << 20) return static_cast<int>(n);
+    }
+  }
+  return rank;
+}
+}  // namespace detail
+
+AutocastSpec Accelerator::autocast_spec() const {
+  AutocastSpec s;
+  s.enabled = options_.mixed_precision != MixedPrecision::kNo;
+  s.device = device_.is_cuda() ? c10::DeviceType::CUDA : c10::DeviceType::CPU;
+  s.dtype = options_.mixed_precision == MixedPrecision::kFP16 ? c10::ScalarType::Half : c10::ScalarType::BFloat16;
+  return s;
 }
 
 MixedPrecision parse_mixed_precision(const std::string& name) {
@@ -85,7 +134,12 @@ void SharedSampler::reset(torch::optional<size_t> new_size) {
 void PreparedOptimizer::step() {
   if (!accelerator_->sync_gradients()) return;
   const auto start = Clock::now();
-  optimizer_->step();
+  if (GradScaler* scaler = accelerator_->scaler()) {
+    scaler->step(*optimizer_);  // skipped when a gradient is inf or NaN (the same on every rank)
+    scaler->update();
+  } else {
+    optimizer_->step();
+  }
   accelerator_->timing_->optimizer_s += std::chrono::duration<double>(Clock::now() - start).count();
 }
 
@@ -95,6 +149,8 @@ void PreparedOptimizer::zero_grad() {
 
 void PreparedScheduler::step() {
   if (!accelerator_->sync_gradients()) return;
+  // As Accelerate: the learning rate does not move on a step the loss scaler skipped.
+  if (GradScaler* scaler = accelerator_->scaler(); scaler != nullptr && scaler->last_step_skipped()) return;
   scheduler_->step();
   ++*steps_;
 }
@@ -117,10 +173,11 @@ AcceleratorOptions checked(AcceleratorOptions options) {
     throw UsageError("Accelerator: gradient_accumulation_steps must be at least 1, got " +
                      std::to_string(options.gradient_accumulation_steps));
   }
-  if (options.mixed_precision == MixedPrecision::kFP16) {
+  if (options.mixed_precision == MixedPrecision::kFP16 && options.device.rfind("cuda", 0) != 0) {
     throw UsageError(
-        "Accelerator: mixed_precision fp16 needs a loss scaler on a CUDA device, and chorus runs on the CPU; "
-        "use MixedPrecision::kBF16 (bfloat16 autocast, same range as float32, no loss scaling needed)");
+        "Accelerator: mixed_precision fp16 runs on a CUDA device (AcceleratorOptions::device \"cuda\"), with "
+        "loss scaling; on the CPU use MixedPrecision::kBF16 (bfloat16 autocast, same range as float32, no loss "
+        "scaling needed)");
   }
   if (options.max_steps < 0 || options.checkpoint_every < 0) {
     throw UsageError("Accelerator: max_steps and checkpoint_every must be 0 (off) or positive");
@@ -202,6 +259,9 @@ Accelerator::Accelerator(AcceleratorOptions options)
   }
   rank_ = group_->rank();
   world_size_ = group_->size();
+  device_ = detail::resolve_device(options_.device, detail::local_rank_from_environment(rank_),
+                                   options_.device == "cpu" ? 0 : static_cast<int>(torch::cuda::device_count()));
+  if (options_.mixed_precision == MixedPrecision::kFP16) scaler_ = std::make_unique<GradScaler>(options_.scaler);
   restart_count_ = restart_count();
   run_dir_ = (fs::path(options_.project_dir) / options_.run_name).string();
   state_dir_ = run_dir_ + "/state";
@@ -390,7 +450,8 @@ void Accelerator::backward(const at::Tensor& loss) {
   end_of_pass_ = false;
   timing_->loss_sum += loss.detach().item<double>();
   ++timing_->loss_n;
-  const at::Tensor scaled = k > 1 ? loss / k : loss;
+  at::Tensor scaled = k > 1 ? loss / k : loss;
+  if (scaler_) scaled = scaler_->scale(scaled);
   if (sync_) {
     accumulated_ = 0;
     scaled.backward();
@@ -409,6 +470,9 @@ void Accelerator::backward(const at::Tensor& loss) {
 
 double Accelerator::clip_grad_norm_(double max_norm, double norm_type) {
   if (!sync_) return std::numeric_limits<double>::quiet_NaN();
+  if (scaler_) {
+    for (auto* o : optimizers_) scaler_->unscale_(*o);  // the norm of the true gradients
+  }
   std::vector<at::Tensor> params;
   for (const auto& m : models_) {
     for (const auto& p : m.parameters) {

@@ -100,6 +100,7 @@ std::string Accelerator::save_state() {
     for (auto& group : optimizers_.front()->param_groups()) lrs.push_back(group.options().get_lr());
     st.extra["optimizer.0.lrs"] = lrs.dump();
   }
+  if (scaler_) st.extra["grad_scaler"] = scaler_->state();
   for (const auto& u : user_objects_) st.extra["user." + u.name] = to_hex(u.save());
 
   auto module = state_module(models_);
@@ -177,6 +178,7 @@ bool Accelerator::load_state(const std::string& dir) {
       for (size_t g = 0; g < groups.size(); ++g) groups[g].options().set_lr(lrs[g].get<double>());
     }
   }
+  if (auto it = st->extra.find("grad_scaler"); it != st->extra.end() && scaler_) scaler_->load_state(it->second);
   for (const auto& u : user_objects_) {
     if (auto it = st->extra.find("user." + u.name); it != st->extra.end()) u.load(from_hex(it->second));
   }

@@ -58,7 +58,8 @@ std::vector<NamedTensor> model_tensors(torch::nn::Module& model) {
 
 std::string model_bytes(torch::nn::Module& model) {
   c10::Dict<std::string, at::Tensor> dict;
-  for (const auto& t : model_tensors(model)) dict.insert(t.name, t.tensor.detach());
+  // Host copies: a checkpoint written on a GPU loads on a machine without one.
+  for (const auto& t : model_tensors(model)) dict.insert(t.name, t.tensor.detach().to(at::kCPU));
   std::vector<char> bytes = torch::pickle_save(dict);
   return std::string(bytes.begin(), bytes.end());
 }

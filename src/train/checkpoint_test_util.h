@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "chorus/torch/compat.h"
 #include "testing.h"
 
 namespace chorus::train {
@@ -58,7 +59,7 @@ inline at::Tensor flat(torch::nn::Module& net) {
 }
 
 inline at::Tensor momentum_of(torch::optim::SGD& opt, const at::Tensor& p) {
-  auto& state = opt.state().at(c10::guts::to_string(p.unsafeGetTensorImpl()));
+  auto& state = opt.state().at(chorus::compat::optimizer_state_key(opt, p));
   return static_cast<torch::optim::SGDParamState&>(*state).momentum_buffer();
 }
 

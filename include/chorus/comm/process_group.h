@@ -20,6 +20,7 @@
 #include <chrono>
 #include <cstddef>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -145,6 +146,15 @@ class ProcessGroup {
   // scatter_object: on root, `objects` holds one object per rank; rank i gets objects[i] (one
   // object). The other ranks' `objects` is not read.
   std::shared_ptr<Work> scatter_object(std::vector<std::string> objects, int root);
+
+  // A step of this rank alone, without communication: `fn` runs on the group's worker in issue
+  // order, after the operations issued before it and before those issued after it. For work that
+  // an operation depends on but the issuing thread should not wait for, such as a device-to-host
+  // copy that the next collective reads (chorus::dist stages CUDA tensors so). Other ranks issue no
+  // matching call. If fn throws, the group breaks as when an operation fails: the Work carries the
+  // error, the peers are told (their pending operations fail at once) and every later call fails
+  // with it. `what` names the step in errors ("stage cuda:0 -> host").
+  std::shared_ptr<Work> run_local(std::string what, std::function<void()> fn);
 
   // A sub-group of the listed ranks of this group (every rank of this group calls it with the same
   // list, in the same order relative to other new_group calls). Returns nullptr on non-members.

@@ -4,9 +4,18 @@
 //   chorus::dist::all_reduce(grad);                    // in place, sum
 //   chorus::dist::all_reduce(grad, chorus::ReduceOp::kAvg);
 //
-// Tensors must be defined, dense, on the CPU and contiguous; anything else raises UsageError
-// saying how to fix it (.contiguous(), .cpu()). Supported dtypes: float32, float64, float16,
-// bfloat16, int8, uint8, int32, int64 (bool too for the non-reducing collectives).
+// Tensors must be defined, dense, contiguous and on the CPU or a CUDA device; anything else raises
+// UsageError saying how to fix it (.contiguous(), .cpu()). Supported dtypes: float32, float64,
+// float16, bfloat16, int8, uint8, int32, int64 (bool too for the non-reducing collectives).
+//
+// CUDA tensors (docs/gpu.md) go through pinned host memory: copied out on a side stream after the
+// work already queued on the caller's current stream, reduced or moved by the same host
+// collectives, copied back; wait() (or the call, without async_op) returns once the result is on
+// the device. The calling thread does not wait for the GPU: the group's worker does. All tensors of
+// one call must be on one device. Allreduce, broadcast and reduce of large tensors run as pieces of
+// CHORUS_STAGE_CHUNK_BYTES (4 MiB) so that copies overlap the transfer: every rank must then pass
+// a tensor on the same kind of device (a CPU rank against a CUDA rank is a MismatchError). At world
+// size 1 allreduce, broadcast and reduce of a CUDA tensor return at once.
 //
 // Every collective takes an optional group (nullptr = the default group) and async_op. With
 // async_op=false (the default) it returns once done; with async_op=true it returns a Work to

@@ -70,10 +70,18 @@
 //   run_dir() = project_dir/run_name. A resumed run appends, dropping lines beyond the resumed step.
 // - Progress on rank 0: a bar rewritten in place when stdout is a terminal (not under mpirun or
 //   srun), else a plain line every log_every steps.
-// - Mixed precision: kBF16 runs each prepared model's forward under libtorch's CPU autocast
-//   (bfloat16 for matmuls and convolutions, float32 for reductions and losses) and converts a
-//   tensor output back to float32; parameters, gradients and the optimizer stay float32. kFP16
-//   needs a loss scaler and a CUDA device: on CPU it is a UsageError that says to use kBF16.
+// - Device (docs/gpu.md): `device` "cpu", "cuda" (each rank on cuda:LOCAL_RANK modulo the GPUs it
+//   sees, as Accelerate places ranks; ranks may share a GPU) or "cuda:N". prepare_model moves the
+//   model there before DDP wraps it; a prepared training loader's batches (data and target) arrive
+//   there; DDP's buckets live there and travel through pinned host memory.
+// - Mixed precision: kBF16 runs each prepared model's forward under libtorch's autocast on the
+//   device (bfloat16 for matmuls and convolutions, float32 for reductions and losses) and converts
+//   a tensor output back to float32; parameters, gradients and the optimizer stay float32. kFP16
+//   (CUDA only; on CPU a UsageError that says to use kBF16) runs the forward under float16
+//   autocast and scales the loss with a GradScaler (chorus/train/grad_scaler.h, PyTorch's
+//   behaviour): backward() scales, the prepared optimizer's step() unscales, skips the step when a
+//   gradient is inf or NaN, and updates the scale; a prepared scheduler does not step after a
+//   skipped step; clip_grad_norm_ unscales first. The scaler's state is part of save_state.
 // - Collectives (the constructor, prepare_model, synchronising backward, step boundaries, the
 //   prepared model's eval(), epochs() iteration, save_state, load_state, end_training,
 //   gather_for_metrics, reduce, wait_for_everyone, main_process_first) must be called by every
@@ -82,6 +90,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 #include <torch/data/dataloader.h>
 #include <torch/optim/optimizer.h>
@@ -105,13 +114,14 @@
 #include "chorus/data/sampler.h"
 #include "chorus/ddp/ddp.h"
 #include "chorus/torch/distributed.h"
+#include "chorus/train/grad_scaler.h"
 
 namespace chorus::train {
 
 enum class MixedPrecision {
   kNo,    // float32 throughout
-  kBF16,  // CPU autocast to bfloat16 around each prepared model's forward
-  kFP16,  // float16 with a loss scaler: CUDA only, not available yet (UsageError on CPU)
+  kBF16,  // autocast to bfloat16 around each prepared model's forward (CPU or CUDA)
+  kFP16,  // CUDA autocast to float16, with dynamic loss scaling (GradScaler); UsageError on CPU
 };
 
 // "no", "bf16" or "fp16" (UsageError otherwise), for command lines.
@@ -121,6 +131,11 @@ struct AcceleratorOptions {
   // k: backward() synchronises every k-th micro-step; the loss is divided by k.
   int gradient_accumulation_steps = 1;
   MixedPrecision mixed_precision = MixedPrecision::kNo;
+  // Where the prepared models and batches live: "cpu", "cuda" (cuda:LOCAL_RANK modulo the visible
+  // GPUs) or "cuda:N".
+  std::string device = "cpu";
+  // kFP16's loss scaler (PyTorch's defaults).
+  GradScalerOptions scaler;
   // Passed to every prepared model's DistributedDataParallel (its group is replaced by `group`).
   ddp::Options ddp;
   // The training loaders' DistributedSampler (the same on every rank).
@@ -158,19 +173,30 @@ enum class Reduction { kSum, kMean };
 
 struct CheckpointOptions;  // chorus/train/checkpoint.h
 
-// Enables CPU autocast (bfloat16) for its lifetime when `enabled`, as torch.autocast("cpu") does,
-// and restores the previous state after. Thread-local, like autocast itself.
+// Enables autocast on `device` (to `dtype`) for its lifetime when `enabled`, as torch.autocast does,
+// and restores the previous state after. Thread-local, like autocast itself. The bool form is CPU
+// bfloat16.
 class AutocastGuard {
  public:
-  explicit AutocastGuard(bool enabled);
+  explicit AutocastGuard(bool enabled) : AutocastGuard(c10::DeviceType::CPU, c10::ScalarType::BFloat16, enabled) {}
+  AutocastGuard(c10::DeviceType device, c10::ScalarType dtype, bool enabled = true);
   ~AutocastGuard();
   AutocastGuard(const AutocastGuard&) = delete;
   AutocastGuard& operator=(const AutocastGuard&) = delete;
 
  private:
   bool enabled_;
+  c10::DeviceType device_;
+  c10::ScalarType dtype_;
   bool previous_enabled_ = false;
   c10::ScalarType previous_dtype_ = c10::ScalarType::BFloat16;
+};
+
+// What a prepared model's forward runs under.
+struct AutocastSpec {
+  bool enabled = false;
+  c10::DeviceType device = c10::DeviceType::CPU;
+  c10::ScalarType dtype = c10::ScalarType::BFloat16;
 };
 
 class Accelerator;
@@ -178,6 +204,12 @@ class Accelerator;
 namespace detail {
 // A reduced-precision floating tensor back to float32; anything else unchanged.
 at::Tensor to_float32(const at::Tensor& t);
+
+// AcceleratorOptions::device to a device: "cpu"; "cuda" is cuda:(local_rank mod cuda_devices);
+// "cuda:N". UsageError for anything else, a CUDA device when there is none, or N out of range. Pure.
+c10::Device resolve_device(const std::string& spec, int local_rank, int cuda_devices);
+// This process's rank on its machine: LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK or SLURM_LOCALID, else `rank`.
+int local_rank_from_environment(int rank);
 
 // Timing hooks of the prepared objects (defined where Accelerator is complete).
 void add_forward_time(Accelerator& accelerator, double seconds);
@@ -226,14 +258,14 @@ template <typename ModuleType>
 class PreparedModel {
  public:
   PreparedModel(Accelerator& accelerator, std::shared_ptr<ddp::DistributedDataParallel<ModuleType>> ddp,
-                bool autocast)
+                AutocastSpec autocast)
       : accelerator_(&accelerator), ddp_(std::move(ddp)), autocast_(autocast) {}
 
   template <typename... Args>
   auto forward(Args&&... args) {
     const bool training = ddp_->module()->is_training();
     const auto start = std::chrono::steady_clock::now();
-    AutocastGuard guard(autocast_);
+    AutocastGuard guard(autocast_.device, autocast_.dtype, autocast_.enabled);
     auto out = training ? ddp_->forward(std::forward<Args>(args)...)
                         : ddp_->module()->forward(std::forward<Args>(args)...);
     if (training) {
@@ -268,7 +300,7 @@ class PreparedModel {
  private:
   Accelerator* accelerator_;
   std::shared_ptr<ddp::DistributedDataParallel<ModuleType>> ddp_;
-  bool autocast_;
+  AutocastSpec autocast_;
 };
 
 // The optimizer, stepping and zeroing only on sync steps. Refers to the optimizer it was made from.
@@ -320,6 +352,7 @@ class PreparedDataLoader {
       if (!is_end_ && noted_ != position_) {
         noted_ = position_;
         owner_->on_batch(position_);
+        owner_->to_device(*inner_);
       }
       return *inner_;
     }
@@ -384,6 +417,7 @@ class PreparedDataLoader {
 
  private:
   void on_batch(int64_t position);
+  void to_device(Batch& batch);
 
   Accelerator* accelerator_;
   std::shared_ptr<detail::LoaderState> state_;
@@ -442,11 +476,12 @@ class Accelerator {
   PreparedModel<ModuleType> prepare_model(std::shared_ptr<ModuleType> model) {
     if (!model) throw UsageError(who() + ": prepare_model got a null model");
     check_not_prepared(*model);
+    model->to(device_);  // before DDP: its buckets and broadcasts are on the model's device
     ddp::Options o = options_.ddp;
     o.group = group_;
     auto wrapped = std::make_shared<ddp::DistributedDataParallel<ModuleType>>(model, o);
     register_model(wrapped, model, wrapped->reducer());
-    return PreparedModel<ModuleType>(*this, std::move(wrapped), autocast_enabled());
+    return PreparedModel<ModuleType>(*this, std::move(wrapped), autocast_spec());
   }
   template <typename Holder, typename = decltype(std::declval<Holder>().ptr())>
   auto prepare_model(Holder holder) {
@@ -569,7 +604,12 @@ class Accelerator {
   bool stopped() const { return stopped_; }
 
   // The forward's autocast, for code outside a prepared model.
-  bool autocast_enabled() const { return options_.mixed_precision == MixedPrecision::kBF16; }
+  bool autocast_enabled() const { return options_.mixed_precision != MixedPrecision::kNo; }
+  AutocastSpec autocast_spec() const;
+  // Where the prepared models and batches live (AcceleratorOptions::device, resolved).
+  const c10::Device& device() const { return device_; }
+  // kFP16's loss scaler; nullptr otherwise.
+  GradScaler* scaler() { return scaler_.get(); }
 
  private:
   template <typename Dataset, typename Loader>
@@ -628,6 +668,8 @@ class Accelerator {
   double elapsed() const;
 
   AcceleratorOptions options_;
+  c10::Device device_{c10::DeviceType::CPU};
+  std::unique_ptr<GradScaler> scaler_;  // kFP16 only
   ProcessGroup* group_ = nullptr;
   int rank_ = 0;
   int world_size_ = 1;
@@ -661,6 +703,16 @@ class Accelerator {
 template <typename Dataset, typename Loader>
 void PreparedDataLoader<Dataset, Loader>::on_batch(int64_t position) {
   accelerator_->on_batch(*state_, position);
+}
+
+template <typename Dataset, typename Loader>
+void PreparedDataLoader<Dataset, Loader>::to_device(Batch& batch) {
+  const c10::Device& device = accelerator_->device();
+  if (device.is_cpu()) return;
+  if constexpr (std::is_same_v<Batch, torch::data::Example<>>) {
+    batch.data = batch.data.to(device, /*non_blocking=*/true);
+    batch.target = batch.target.to(device, /*non_blocking=*/true);
+  }
 }
 
 // Whether stdout shows a line rewritten in place: a terminal, not TERM=dumb, and not a rank of
