@@ -1,5 +1,6 @@
 #include "testing.h"
 
+#include <execinfo.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -16,6 +17,39 @@
 #include "chorus/comm/tcp_store.h"
 
 namespace chorus::testing {
+namespace {
+
+// A rank that crashes (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT) writes its stack to stderr before
+// dying as it would have, so that a crash on a machine the session can no longer reach (the GPU
+// runs) is located from the log alone. Test executables link with -rdynamic for the names.
+void crash_handler(int sig) {
+  char head[96];
+  const int n = std::snprintf(head, sizeof(head), "chorus test rank (pid %d): fatal signal %d; stack:\n",
+                              static_cast<int>(::getpid()), sig);
+  if (n > 0) {
+    ssize_t ignored = ::write(2, head, static_cast<size_t>(n));
+    (void)ignored;
+  }
+  void* frames[64];
+  const int depth = ::backtrace(frames, 64);
+  ::backtrace_symbols_fd(frames, depth, 2);
+  ::raise(sig);  // SA_RESETHAND: the default action now
+}
+
+void report_crashes() {
+  void* warm[1];
+  ::backtrace(warm, 1);  // loads the unwinder now, not inside the handler
+  struct sigaction sa = {};
+  sa.sa_handler = crash_handler;
+  sa.sa_flags = SA_RESETHAND;
+  sigemptyset(&sa.sa_mask);
+  for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) ::sigaction(sig, &sa, nullptr);
+}
+
+// The test process itself too (its ranks install it again after fork).
+const bool g_reports_crashes = (report_crashes(), true);
+
+}  // namespace
 
 std::string run_ranks(int world,
                       const std::function<void(int rank, int world, std::shared_ptr<Store> store)>& fn,
@@ -25,6 +59,7 @@ std::string run_ranks(int world,
   options.grace_period = std::chrono::milliseconds(500);
   try {
     spawn(world, [&](int rank, int world_size) {
+      report_crashes();
       RendezvousOptions ro;
       ro.timeout = std::chrono::seconds(20);
       Rendezvous rv = rendezvous("env://", rank, world_size, ro);
@@ -58,6 +93,7 @@ std::vector<ChildReport> run_ranks_independent(int world,
       ::setenv("MASTER_PORT", std::to_string(server.port()).c_str(), 1);
       ::setenv("CHORUS_JOB_TOKEN", so.token.c_str(), 1);
       ::setenv("CHORUS_STORE_EXTERNAL", "1", 1);
+      report_crashes();
       std::string text;
       try {
         text = fn(r, world);

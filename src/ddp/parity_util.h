@@ -27,9 +27,9 @@ inline std::pair<torch::Tensor, torch::Tensor> batch(int step, int rank, int wor
   return {x.narrow(0, rank * per_rank, per_rank), y.narrow(0, rank * per_rank, per_rank)};
 }
 
-// A tensor's values, flattened, as a JSON array of floats.
+// A tensor's values (on any device), flattened, as a JSON array of floats.
 inline nlohmann::json flat(const torch::Tensor& t) {
-  auto c = t.detach().reshape({-1}).to(torch::kFloat32).contiguous();
+  auto c = t.detach().reshape({-1}).to(torch::kCPU, torch::kFloat32).contiguous();
   return std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
 }
 

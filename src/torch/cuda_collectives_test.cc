@@ -38,7 +38,8 @@ void same(const at::Tensor& cpu, const at::Tensor& gpu, const std::string& what)
   require(at::equal(cpu, gpu.cpu()), what + ": the CUDA result differs from the CPU path's");
 }
 
-// One collective on CPU tensors and on copies of them on the GPU; `run` gets (tensors, device).
+// One collective on CPU tensors and on copies of them on the GPU; `run` gets the device and
+// returns the result where the collective left it.
 void both(const std::string& what, const std::function<at::Tensor(const at::Device&)>& run) {
   at::Tensor on_cpu = run(at::Device(at::kCPU));
   at::Tensor on_gpu = run(kGpu);
@@ -58,35 +59,35 @@ void exercise(int rank, int world) {
         both("all_reduce " + tag, [&](const at::Device& d) {
           at::Tensor t = values(n, rank, dtype).to(d);
           all_reduce(t, op);
-          return t.cpu();
+          return t;
         });
       }
       both("broadcast " + tag, [&](const at::Device& d) {
         at::Tensor t = values(n, rank, dtype).to(d);
         broadcast(t, world - 1);
-        return t.cpu();
+        return t;
       });
       both("reduce " + tag, [&](const at::Device& d) {
         at::Tensor t = values(n, rank, dtype).to(d);
         reduce(t, 1 % world);
-        return t.cpu();
+        return t;
       });
     }
     both("broadcast bool x" + std::to_string(n), [&](const at::Device& d) {
       at::Tensor t = (values(n, rank, at::kLong) > 0).to(d);
       broadcast(t, 0);
-      return t.cpu();
+      return t;
     });
     both("all_gather x" + std::to_string(n), [&](const at::Device& d) {
       std::vector<at::Tensor> parts;
       for (int i = 0; i < world; ++i) parts.push_back(at::empty({n}, at::TensorOptions().dtype(at::kFloat).device(d)));
       all_gather(parts, values(n, rank, at::kFloat).to(d));
-      return at::cat(parts).cpu();
+      return at::cat(parts);
     });
     both("all_gather_into_tensor x" + std::to_string(n), [&](const at::Device& d) {
       at::Tensor out = at::empty({world * n}, at::TensorOptions().dtype(at::kHalf).device(d));
       all_gather_into_tensor(out, values(n, rank, at::kHalf).to(d));
-      return out.cpu();
+      return out;
     });
     both("gather x" + std::to_string(n), [&](const at::Device& d) {
       std::vector<at::Tensor> parts;
@@ -94,7 +95,7 @@ void exercise(int rank, int world) {
         for (int i = 0; i < world; ++i) parts.push_back(at::zeros({n}, at::TensorOptions().dtype(at::kLong).device(d)));
       }
       gather(values(n, rank, at::kLong).to(d), rank == 0 ? &parts : nullptr, 0);
-      return rank == 0 ? at::cat(parts).cpu() : at::zeros({1}, at::kLong);
+      return rank == 0 ? at::cat(parts) : at::zeros({1}, at::TensorOptions().dtype(at::kLong).device(d));
     });
     both("scatter x" + std::to_string(n), [&](const at::Device& d) {
       std::vector<at::Tensor> parts;
@@ -103,24 +104,24 @@ void exercise(int rank, int world) {
       }
       at::Tensor got = at::zeros({n}, at::TensorOptions().dtype(at::kInt).device(d));
       scatter(got, rank == world - 1 ? &parts : nullptr, world - 1);
-      return got.cpu();
+      return got;
     });
     both("reduce_scatter x" + std::to_string(n), [&](const at::Device& d) {
       std::vector<at::Tensor> in;
       for (int i = 0; i < world; ++i) in.push_back(values(n, rank, at::kBFloat16, i).to(d));
       at::Tensor out = at::empty({n}, at::TensorOptions().dtype(at::kBFloat16).device(d));
       reduce_scatter(out, in, ReduceOp::kSum);
-      return out.cpu();
+      return out;
     });
     both("reduce_scatter_tensor x" + std::to_string(n), [&](const at::Device& d) {
       at::Tensor out = at::empty({n}, at::TensorOptions().dtype(at::kDouble).device(d));
       reduce_scatter_tensor(out, values(world * n, rank, at::kDouble).to(d), ReduceOp::kMax);
-      return out.cpu();
+      return out;
     });
     both("all_to_all_single x" + std::to_string(n), [&](const at::Device& d) {
       at::Tensor out = at::empty({world * n}, at::TensorOptions().dtype(at::kLong).device(d));
       all_to_all_single(out, values(world * n, rank, at::kLong).to(d));
-      return out.cpu();
+      return out;
     });
     both("isend/irecv x" + std::to_string(n), [&](const at::Device& d) {
       at::Tensor in = at::zeros({n}, at::TensorOptions().dtype(at::kFloat).device(d));
@@ -128,7 +129,7 @@ void exercise(int rank, int world) {
       auto r = irecv(in, (rank + world - 1) % world, 5);
       s->wait();
       r->wait();
-      return in.cpu();
+      return in;
     });
   }
 

@@ -1,6 +1,7 @@
 #include "staging.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
@@ -145,7 +146,7 @@ std::shared_ptr<c10::Event> Call::copy_to_host(const at::Tensor& dev, const at::
   }
   auto copied = std::make_shared<c10::Event>(device_.type());
   {
-    at::NoGradGuard no_grad;  // the tensors may be parameters; copies are not part of any graph
+    c10::NoGradGuard no_grad;  // the tensors may be parameters; copies are not part of any graph
     c10::StreamGuard guard(to_host_);
     host.copy_(dev.reshape({-1}), /*non_blocking=*/true);
   }
@@ -169,7 +170,7 @@ void Call::copy_to_device(const at::Tensor& host, const at::Tensor& dev) {
   at::Tensor h = host;
   at::Tensor d = dev;
   works_.push_back(pg_.run_local("stage host -> " + device_.str() + " for " + op_, [returned, stream, h, d]() mutable {
-    at::NoGradGuard no_grad;  // a parameter (a broadcast's destination) takes the copy in place
+    c10::NoGradGuard no_grad;  // a parameter (a broadcast's destination) takes the copy in place
     c10::StreamGuard guard(stream);
     d.view({-1}).copy_(h, /*non_blocking=*/true);
     returned->record(stream);
