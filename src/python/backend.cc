@@ -1,0 +1,460 @@
+// chorus._C: the "chorus" backend of torch.distributed (docs/python.md). A c10d::ProcessGroup (the
+// libtorch 1.13 interface) over chorus::ProcessGroup: PyTorch hands the backend its store, the rank,
+// the world size and the timeout; chorus connects its own transports through that store (shared
+// memory within a host, TCP or hybrid across hosts, as chorus chooses) and runs every operation on
+// its queue. Each operation's Future completes on a completion thread in issue order, so DDP's hooks
+// chain on it and the gradient allreduce overlaps backward. Links libtorch and chorus_comm only.
+//
+// First part of issue 26: allreduce, allreduce_coalesced, broadcast, reduce, allgather,
+// _allgather_base, gather, scatter, reduce_scatter, _reduce_scatter_base, alltoall_base (equal
+// splits), send, recv, barrier on CPU tensors. Not yet: alltoall with split sizes and lists,
+// allgather_coalesced, recvAnysource, monitored_barrier, CUDA tensors (UsageError-like
+// RuntimeErrors say so).
+#include <pybind11/chrono.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/csrc/utils/pybind.h>
+
+#include <ATen/ATen.h>
+
+#include <condition_variable>
+#include <cstdlib>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#include "chorus/comm/error.h"
+#include "chorus/comm/process_group.h"
+#include "chorus/comm/random.h"
+#include "chorus/comm/store.h"
+
+namespace chorus::python {
+namespace {
+
+std::string bytes_to_string(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
+std::vector<uint8_t> string_to_bytes(const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); }
+
+// PyTorch's store (TCPStore, FileStore, a PrefixStore of either) as chorus's Store.
+class TorchStore final : public Store {
+ public:
+  explicit TorchStore(c10::intrusive_ptr<::c10d::Store> store) : store_(std::move(store)) {}
+  void set(const std::string& key, const std::string& value) override { store_->set(key, string_to_bytes(value)); }
+  std::string get(const std::string& key) override { return bytes_to_string(store_->get(key)); }
+  int64_t add(const std::string& key, int64_t delta) override { return store_->add(key, delta); }
+  std::string compare_set(const std::string& key, const std::string& expected, const std::string& desired) override {
+    return bytes_to_string(store_->compareSet(key, string_to_bytes(expected), string_to_bytes(desired)));
+  }
+  void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override {
+    try {
+      store_->wait(keys, timeout);
+    } catch (const std::exception& e) {
+      std::string names;
+      for (const auto& k : keys) names += (names.empty() ? "" : ", ") + k;
+      throw TimeoutError("chorus backend: waiting " + std::to_string(timeout.count()) + " ms for " + names +
+                         " in PyTorch's store: " + e.what());
+    }
+  }
+  bool check(const std::vector<std::string>& keys) override { return store_->check(keys); }
+  bool delete_key(const std::string& key) override {
+    try {
+      return store_->deleteKey(key);
+    } catch (const std::exception&) {
+      return false;  // FileStore in 1.13 cannot delete; the keys then stay (a few bytes per group)
+    }
+  }
+  int64_t num_keys() override { return store_->getNumKeys(); }
+  std::string describe() const override { return "PyTorch's store (the one init_process_group made)"; }
+
+ private:
+  c10::intrusive_ptr<::c10d::Store> store_;
+};
+
+DataType data_type(const at::Tensor& t, const char* op, bool reduces) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DataType::kFloat32;
+    case at::kDouble: return DataType::kFloat64;
+    case at::kHalf: return DataType::kFloat16;
+    case at::kBFloat16: return DataType::kBFloat16;
+    case at::kChar: return DataType::kInt8;
+    case at::kByte: return DataType::kUInt8;
+    case at::kInt: return DataType::kInt32;
+    case at::kLong: return DataType::kInt64;
+    case at::kBool:
+      if (!reduces) return DataType::kUInt8;
+      throw UsageError(std::string("chorus backend: ") + op + ": bool tensors cannot be reduced by chorus yet; "
+                       "convert with .to(torch.uint8) (MAX/MIN as OR/AND)");
+    default: break;
+  }
+  throw UsageError(std::string("chorus backend: ") + op + ": dtype " + c10::toString(t.scalar_type()) +
+                   " is not supported; use float32/64, float16, bfloat16, int8, uint8, int32, int64 or bool");
+}
+
+ReduceOp reduce_op(const ::c10d::ReduceOp& op, const char* name) {
+  switch (op.op_) {
+    case ::c10d::ReduceOp::SUM: return ReduceOp::kSum;
+    case ::c10d::ReduceOp::AVG: return ReduceOp::kAvg;
+    case ::c10d::ReduceOp::PRODUCT: return ReduceOp::kProd;
+    case ::c10d::ReduceOp::MIN: return ReduceOp::kMin;
+    case ::c10d::ReduceOp::MAX: return ReduceOp::kMax;
+    default: break;
+  }
+  throw UsageError(std::string("chorus backend: ") + name +
+                   ": this reduce op (BAND/BOR/BXOR/PREMUL_SUM) is not supported by chorus yet; SUM, AVG, "
+                   "PRODUCT, MIN and MAX are");
+}
+
+void check_tensor(const at::Tensor& t, const char* op) {
+  if (!t.defined()) throw UsageError(std::string("chorus backend: ") + op + ": undefined tensor");
+  if (t.layout() != at::kStrided) throw UsageError(std::string("chorus backend: ") + op + ": sparse tensors are not supported; call .to_dense()");
+  if (!t.device().is_cpu()) {
+    throw UsageError(std::string("chorus backend: ") + op + ": tensor on " + t.device().str() +
+                     "; chorus's Python backend takes CPU tensors so far (the C++ API stages CUDA tensors: "
+                     "docs/gpu.md); copy with .cpu()");
+  }
+  if (!t.is_contiguous()) throw UsageError(std::string("chorus backend: ") + op + ": tensor is not contiguous; call .contiguous()");
+}
+
+const at::Tensor& single(const std::vector<at::Tensor>& tensors, const char* op) {
+  if (tensors.size() != 1) {
+    throw UsageError(std::string("chorus backend: ") + op + ": takes one tensor per call (got " +
+                     std::to_string(tensors.size()) + "), as gloo does for CPU tensors");
+  }
+  check_tensor(tensors[0], op);
+  return tensors[0];
+}
+
+// The Work PyTorch sees: done when its Future is. The Future completes on the group's completion
+// thread, with the output tensors or with chorus's error.
+class ChorusWork final : public ::c10d::Work {
+ public:
+  ChorusWork(::c10d::OpType type, std::vector<at::Tensor> outputs)
+      : ::c10d::Work(-1, type),
+        outputs_(std::move(outputs)),
+        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+
+  bool isCompleted() override { return future_->completed(); }
+  bool isSuccess() const override { return future_->completed() && !future_->hasError(); }
+  std::exception_ptr exception() const override { return future_->hasError() ? future_->exception_ptr() : nullptr; }
+  std::vector<at::Tensor> result() override { return outputs_; }
+  bool wait(std::chrono::milliseconds timeout) override {
+    if (timeout == kNoTimeout) {
+      future_->wait();
+    } else {
+      const auto deadline = std::chrono::steady_clock::now() + timeout;
+      while (!future_->completed()) {
+        if (std::chrono::steady_clock::now() > deadline) {
+          throw std::runtime_error("chorus backend: Work.wait timed out after " + std::to_string(timeout.count()) +
+                                   " ms (the operation goes on; its own deadline is the group's timeout)");
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+    }
+    if (future_->hasError()) std::rethrow_exception(future_->exception_ptr());
+    return true;
+  }
+  void synchronize() override {}
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+  void complete(std::exception_ptr error) {
+    if (error) {
+      future_->setError(error);
+    } else {
+      future_->markCompleted(c10::IValue(outputs_));
+    }
+  }
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+class ProcessGroupChorus final : public ::c10d::ProcessGroup {
+ public:
+  ProcessGroupChorus(const c10::intrusive_ptr<::c10d::Store>& store, int rank, int size,
+                     std::chrono::milliseconds timeout)
+      : ::c10d::ProcessGroup(rank, size) {
+    auto chorus_store = std::make_shared<TorchStore>(store);
+    ProcessGroupOptions o;
+    o.timeout = timeout;
+    // The job token authenticates chorus's own connections: chorus run's (CHORUS_JOB_TOKEN), else
+    // one rank 0 makes and shares through PyTorch's store, which is then its only protection.
+    const char* token = std::getenv("CHORUS_JOB_TOKEN");
+    if (token != nullptr && *token != '\0') {
+      o.token = token;
+    } else {
+      const std::string key = "chorus/python/token";
+      if (rank == 0) chorus_store->set(key, random_token());
+      chorus_store->wait({key}, timeout);
+      o.token = chorus_store->get(key);
+    }
+    if (const char* t = std::getenv("CHORUS_TRANSPORT"); t != nullptr && *t != '\0') o.transport = t;
+    pg_ = std::make_unique<chorus::ProcessGroup>(chorus_store, rank, size, o);
+    completer_ = std::thread([this] { complete_loop(); });
+  }
+
+  ~ProcessGroupChorus() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    if (completer_.joinable()) completer_.join();
+    pg_->shutdown();
+  }
+
+  const std::string getBackendName() const override { return "chorus"; }
+
+  c10::intrusive_ptr<::c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                            const ::c10d::AllreduceOptions& opts) override {
+    const at::Tensor& t = single(tensors, "allreduce");
+    const DataType dt = data_type(t, "allreduce", true);
+    const ReduceOp op = reduce_op(opts.reduceOp, "allreduce");
+    return submit(::c10d::OpType::ALLREDUCE, {t},
+                  {pg_->allreduce(t.data_ptr(), static_cast<size_t>(t.numel()), dt, op)});
+  }
+
+  c10::intrusive_ptr<::c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                      const ::c10d::AllreduceCoalescedOptions& opts) override {
+    std::vector<std::shared_ptr<Work>> works;
+    const ReduceOp op = reduce_op(opts.reduceOp, "allreduce_coalesced");
+    for (auto& t : tensors) {
+      check_tensor(t, "allreduce_coalesced");
+      works.push_back(pg_->allreduce(t.data_ptr(), static_cast<size_t>(t.numel()),
+                                     data_type(t, "allreduce_coalesced", true), op));
+    }
+    return submit(::c10d::OpType::ALLREDUCE_COALESCED, tensors, std::move(works));
+  }
+
+  c10::intrusive_ptr<::c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                            const ::c10d::BroadcastOptions& opts) override {
+    const at::Tensor& t = single(tensors, "broadcast");
+    return submit(::c10d::OpType::BROADCAST, {t},
+                  {pg_->broadcast(t.data_ptr(), static_cast<size_t>(t.numel()), data_type(t, "broadcast", false),
+                                  static_cast<int>(opts.rootRank))});
+  }
+
+  c10::intrusive_ptr<::c10d::Work> reduce(std::vector<at::Tensor>& tensors, const ::c10d::ReduceOptions& opts) override {
+    const at::Tensor& t = single(tensors, "reduce");
+    return submit(::c10d::OpType::REDUCE, {t},
+                  {pg_->reduce(t.data_ptr(), static_cast<size_t>(t.numel()), data_type(t, "reduce", true),
+                               reduce_op(opts.reduceOp, "reduce"), static_cast<int>(opts.rootRank))});
+  }
+
+  c10::intrusive_ptr<::c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                            std::vector<at::Tensor>& inputs,
+                                            const ::c10d::AllgatherOptions&) override {
+    const at::Tensor& in = single(inputs, "allgather");
+    if (outputs.size() != 1 || outputs[0].size() != static_cast<size_t>(getSize())) {
+      throw UsageError("chorus backend: allgather: the output list must hold one tensor per rank (" +
+                       std::to_string(getSize()) + ")");
+    }
+    for (const auto& o : outputs[0]) {
+      if (o.numel() != in.numel() || o.scalar_type() != in.scalar_type()) {
+        throw UsageError("chorus backend: allgather: every output tensor must match the input's size and dtype");
+      }
+    }
+    at::Tensor flat = at::empty({getSize() * in.numel()}, in.options());
+    std::vector<at::Tensor> outs = outputs[0];
+    auto w = pg_->allgather(in.data_ptr(), flat.data_ptr(), static_cast<size_t>(in.numel()), data_type(in, "allgather", false));
+    return submit(::c10d::OpType::ALLGATHER, outs, {w}, {in, flat}, [flat, outs]() mutable {
+      auto blocks = flat.chunk(static_cast<int64_t>(outs.size()));
+      for (size_t i = 0; i < outs.size(); ++i) outs[i].view({-1}).copy_(blocks[i]);
+    });
+  }
+
+  c10::intrusive_ptr<::c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                  const ::c10d::AllgatherOptions&) override {
+    check_tensor(input, "_allgather_base");
+    check_tensor(output, "_allgather_base");
+    if (output.numel() != input.numel() * getSize() || output.scalar_type() != input.scalar_type()) {
+      throw UsageError("chorus backend: all_gather_into_tensor: the output must hold world_size x the input");
+    }
+    return submit(::c10d::OpType::_ALLGATHER_BASE, {output},
+                  {pg_->allgather(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()),
+                                  data_type(input, "all_gather_into_tensor", false))},
+                  {input});
+  }
+
+  c10::intrusive_ptr<::c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                         std::vector<at::Tensor>& inputs, const ::c10d::GatherOptions& opts) override {
+    const at::Tensor& in = single(inputs, "gather");
+    const int root = static_cast<int>(opts.rootRank);
+    at::Tensor flat;
+    std::vector<at::Tensor> outs;
+    if (getRank() == root) {
+      if (outputs.size() != 1 || outputs[0].size() != static_cast<size_t>(getSize())) {
+        throw UsageError("chorus backend: gather: on the root the output list must hold one tensor per rank");
+      }
+      outs = outputs[0];
+      flat = at::empty({getSize() * in.numel()}, in.options());
+    }
+    auto w = pg_->gather(in.data_ptr(), flat.defined() ? flat.data_ptr() : nullptr, static_cast<size_t>(in.numel()),
+                         data_type(in, "gather", false), root);
+    return submit(::c10d::OpType::GATHER, outs, {w}, {in, flat}, [flat, outs]() mutable {
+      if (!flat.defined()) return;
+      auto blocks = flat.chunk(static_cast<int64_t>(outs.size()));
+      for (size_t i = 0; i < outs.size(); ++i) outs[i].view({-1}).copy_(blocks[i]);
+    });
+  }
+
+  c10::intrusive_ptr<::c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                          std::vector<std::vector<at::Tensor>>& inputs,
+                                          const ::c10d::ScatterOptions& opts) override {
+    const at::Tensor& out = single(outputs, "scatter");
+    const int root = static_cast<int>(opts.rootRank);
+    at::Tensor flat;
+    if (getRank() == root) {
+      if (inputs.size() != 1 || inputs[0].size() != static_cast<size_t>(getSize())) {
+        throw UsageError("chorus backend: scatter: on the root the input list must hold one tensor per rank");
+      }
+      std::vector<at::Tensor> parts;
+      for (const auto& t : inputs[0]) parts.push_back(t.reshape({-1}));
+      flat = at::cat(parts).contiguous();
+    }
+    return submit(::c10d::OpType::SCATTER, {out},
+                  {pg_->scatter(flat.defined() ? flat.data_ptr() : nullptr, out.data_ptr(),
+                                static_cast<size_t>(out.numel()), data_type(out, "scatter", false), root)},
+                  {flat});
+  }
+
+  c10::intrusive_ptr<::c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                 std::vector<std::vector<at::Tensor>>& inputs,
+                                                 const ::c10d::ReduceScatterOptions& opts) override {
+    const at::Tensor& out = single(outputs, "reduce_scatter");
+    if (inputs.size() != 1 || inputs[0].size() != static_cast<size_t>(getSize())) {
+      throw UsageError("chorus backend: reduce_scatter: the input list must hold one tensor per rank");
+    }
+    std::vector<at::Tensor> parts;
+    for (const auto& t : inputs[0]) parts.push_back(t.reshape({-1}));
+    at::Tensor flat = at::cat(parts).contiguous();
+    return submit(::c10d::OpType::REDUCE_SCATTER, {out},
+                  {pg_->reduce_scatter(flat.data_ptr(), out.data_ptr(), static_cast<size_t>(out.numel()),
+                                       data_type(out, "reduce_scatter", true), reduce_op(opts.reduceOp, "reduce_scatter"))},
+                  {flat});
+  }
+
+  c10::intrusive_ptr<::c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                       const ::c10d::ReduceScatterOptions& opts) override {
+    check_tensor(input, "_reduce_scatter_base");
+    check_tensor(output, "_reduce_scatter_base");
+    if (input.numel() != output.numel() * getSize() || input.scalar_type() != output.scalar_type()) {
+      throw UsageError("chorus backend: reduce_scatter_tensor: the input must hold world_size x the output");
+    }
+    return submit(::c10d::OpType::_REDUCE_SCATTER_BASE, {output},
+                  {pg_->reduce_scatter(input.data_ptr(), output.data_ptr(), static_cast<size_t>(output.numel()),
+                                       data_type(output, "reduce_scatter_tensor", true),
+                                       reduce_op(opts.reduceOp, "reduce_scatter_tensor"))},
+                  {input});
+  }
+
+  c10::intrusive_ptr<::c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                std::vector<int64_t>& output_split_sizes,
+                                                std::vector<int64_t>& input_split_sizes,
+                                                const ::c10d::AllToAllOptions&) override {
+    check_tensor(input, "alltoall_base");
+    check_tensor(output, "alltoall_base");
+    if (!output_split_sizes.empty() || !input_split_sizes.empty()) {
+      throw UsageError("chorus backend: all_to_all_single with split sizes is not supported yet (issue 26); "
+                       "equal splits are");
+    }
+    if (input.numel() != output.numel() || input.numel() % getSize() != 0) {
+      throw UsageError("chorus backend: all_to_all_single: input and output must have the same size, divisible by "
+                       "the world size");
+    }
+    return submit(::c10d::OpType::ALLTOALL_BASE, {output},
+                  {pg_->alltoall(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel() / getSize()),
+                                 data_type(input, "all_to_all_single", false))},
+                  {input});
+  }
+
+  c10::intrusive_ptr<::c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
+    const at::Tensor& t = single(tensors, "send");
+    return submit(::c10d::OpType::SEND, {t},
+                  {pg_->send(t.data_ptr(), static_cast<size_t>(t.numel()), data_type(t, "send", false), dst, tag)});
+  }
+
+  c10::intrusive_ptr<::c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
+    const at::Tensor& t = single(tensors, "recv");
+    return submit(::c10d::OpType::RECV, {t},
+                  {pg_->recv(t.data_ptr(), static_cast<size_t>(t.numel()), data_type(t, "recv", false), src, tag)});
+  }
+
+  c10::intrusive_ptr<::c10d::Work> barrier(const ::c10d::BarrierOptions&) override {
+    return submit(::c10d::OpType::BARRIER, {}, {pg_->barrier()});
+  }
+
+ private:
+  struct Pending {
+    c10::intrusive_ptr<ChorusWork> work;
+    std::vector<std::shared_ptr<Work>> inner;
+    std::vector<at::Tensor> keep;
+    std::function<void()> finish;
+  };
+
+  // Errors from argument checks surface as RuntimeError in Python with chorus's message.
+  c10::intrusive_ptr<::c10d::Work> submit(::c10d::OpType type, std::vector<at::Tensor> outputs,
+                                         std::vector<std::shared_ptr<Work>> inner, std::vector<at::Tensor> keep = {},
+                                         std::function<void()> finish = {}) {
+    auto work = c10::make_intrusive<ChorusWork>(type, std::move(outputs));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      pending_.push_back(Pending{work, std::move(inner), std::move(keep), std::move(finish)});
+    }
+    cv_.notify_one();
+    return work;
+  }
+
+  // Completes the Futures in issue order (the order chorus runs the operations in).
+  void complete_loop() {
+    for (;;) {
+      Pending p;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stopping_ || !pending_.empty(); });
+        if (pending_.empty()) return;
+        p = std::move(pending_.front());
+        pending_.pop_front();
+      }
+      std::exception_ptr error;
+      try {
+        for (auto& w : p.inner) w->wait();
+        if (p.finish) p.finish();
+      } catch (const std::exception& e) {
+        error = std::make_exception_ptr(std::runtime_error(e.what()));
+      } catch (...) {
+        error = std::current_exception();
+      }
+      p.keep.clear();
+      p.work->complete(error);
+    }
+  }
+
+  std::unique_ptr<chorus::ProcessGroup> pg_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Pending> pending_;
+  bool stopping_ = false;
+  std::thread completer_;
+};
+
+c10::intrusive_ptr<::c10d::ProcessGroup> create(const c10::intrusive_ptr<::c10d::Store>& store, int rank, int size,
+                                                std::chrono::milliseconds timeout) {
+  try {
+    return c10::make_intrusive<ProcessGroupChorus>(store, rank, size, timeout);
+  } catch (const std::exception& e) {
+    throw std::runtime_error(e.what());  // RuntimeError in Python, chorus's message
+  }
+}
+
+}  // namespace
+}  // namespace chorus::python
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "chorus's torch.distributed backend (docs/python.md)";
+  m.def("create_process_group", &chorus::python::create, pybind11::arg("store"), pybind11::arg("rank"),
+        pybind11::arg("world_size"), pybind11::arg("timeout"),
+        "The backend's constructor, as torch.distributed.Backend.register_backend calls it",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+}
