@@ -106,15 +106,21 @@ void rank_and_world(const Environment& env, const std::string& context, int rank
   }
 }
 
-// MASTER_ADDR and MASTER_PORT win over anything a source derives.
+// MASTER_ADDR and MASTER_PORT win over anything a source derives, and CHORUS_STORE_ADDR/PORT over
+// those: `chorus run` points MASTER_PORT at a port of PyTorch's env:// store and gives chorus's own
+// store there.
 void master_overrides(const Environment& env, const std::string& context, ClusterEnv* c) {
-  if (const std::string* addr = lookup(env, "MASTER_ADDR")) {
-    c->master_addr = *addr;
-    c->master_addr_from = "MASTER_ADDR";
+  for (const char* name : {"MASTER_ADDR", "CHORUS_STORE_ADDR"}) {
+    if (const std::string* addr = lookup(env, name)) {
+      c->master_addr = *addr;
+      c->master_addr_from = name;
+    }
   }
-  if (const std::string* port = lookup(env, "MASTER_PORT")) {
-    c->master_port = port_var(context, "MASTER_PORT", *port);
-    c->master_port_from = "MASTER_PORT";
+  for (const char* name : {"MASTER_PORT", "CHORUS_STORE_PORT"}) {
+    if (const std::string* port = lookup(env, name)) {
+      c->master_port = port_var(context, name, *port);
+      c->master_port_from = name;
+    }
   }
 }
 

@@ -1,6 +1,7 @@
 // resolve_cluster_env(): each launcher's variables, their precedence, Slurm's host lists and the
 // errors for missing or malformed variables. Pure: environments are maps, nothing is started.
 #include "chorus/comm/hash.h"
+#include "chorus/comm/error.h"
 #include "cluster_env.h"
 
 #include <gmock/gmock.h>
@@ -321,6 +322,20 @@ TEST(ClusterEnvTest, OpenMpiErrorsNameTheVariables) {
   const ClusterEnv c = resolve_cluster_env(env);
   EXPECT_EQ(c.master_port, 29500);
   EXPECT_EQ(c.job_key, "");
+}
+
+// chorus run: MASTER_PORT is PyTorch's env:// store; chorus's own store is CHORUS_STORE_ADDR/PORT.
+TEST(ClusterEnvTest, ChorusStoreAddressWinsOverMaster) {
+  const Environment env = {{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "29500"},
+                           {"CHORUS_STORE_ADDR", "10.0.0.2"}, {"CHORUS_STORE_PORT", "41000"}};
+  const ClusterEnv c = resolve_cluster_env(env);
+  EXPECT_EQ(c.master_addr, "10.0.0.2");
+  EXPECT_EQ(c.master_port, 41000);
+  EXPECT_EQ(c.master_addr_from, "CHORUS_STORE_ADDR");
+  EXPECT_EQ(c.master_port_from, "CHORUS_STORE_PORT");
+  Environment bad = env;
+  bad["CHORUS_STORE_PORT"] = "nope";
+  EXPECT_THROW(resolve_cluster_env(bad), UsageError);
 }
 
 TEST(ClusterEnvTest, MasterAddrAndPortAlwaysOverride) {

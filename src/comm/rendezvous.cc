@@ -336,7 +336,7 @@ Rendezvous rendezvous(const std::string& text, int rank, int world_size,
     // holds, is the usual cause of a timeout, a refused hello or a failed listen.
     if (url.scheme != "env") throw;
     rethrow_with(e, " [env:// " + cluster.describe() +
-                        (cluster.master_port_from == "MASTER_PORT"
+                        (cluster.master_port_from == "MASTER_PORT" || cluster.master_port_from == "CHORUS_STORE_PORT"
                              ? std::string("]")
                              : std::string("; MASTER_PORT overrides the derived port]")));
   }

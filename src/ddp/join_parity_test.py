@@ -33,6 +33,9 @@ BUFFERS = ["bn.running_mean", "bn.running_var", "bn.num_batches_tracked"]
 PER_RANK = 4
 CLASSES = 4
 TOLERANCE = 1e-5
+# A case runs in about a second; see check() for why the reference may be run again.
+REFERENCE_TIMEOUT_S = 30
+REFERENCE_ATTEMPTS = 4
 
 
 class Net(torch.nn.Module):
@@ -54,9 +57,9 @@ def batch(step, rank):
     return x, y
 
 
-def worker(rank, world, args, queue):
+def worker(rank, world, args, queue, attempt=0):
     try:
-        dist.init_process_group("gloo", init_method="file://" + os.path.join(args.dir, "torch-store"),
+        dist.init_process_group("gloo", init_method="file://" + os.path.join(args.dir, "torch-store-%d" % attempt),
                                 rank=rank, world_size=world)
         torch.manual_seed(0)
         net = Net()
@@ -89,26 +92,48 @@ class Case:
         self.divide_by_initial, self.find_unused = int(divide), int(unused)
 
 
-def check(args, problems):
-    """Runs PyTorch on one case and appends its differences from chorus's files to problems."""
-    world = len(args.steps.split(","))
+def run_reference(args, world, attempt):
+    """PyTorch's ranks for one case; None when one of them did not finish within the time."""
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
     # Daemons, so that a stuck PyTorch rank cannot keep this script from exiting.
-    procs = [ctx.Process(target=worker, args=(r, world, args, queue), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=worker, args=(r, world, args, queue, attempt), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     results = {}
-    for _ in procs:
-        try:
-            rank, out = queue.get(timeout=120)
-        except queue_module.Empty:
-            problems.append("steps=%s: PyTorch ranks %s did not finish within 120 s" % (
-                args.steps, sorted(set(range(world)) - set(results))))
-            return
-        results[rank] = out
+    try:
+        for _ in procs:
+            rank, out = queue.get(timeout=REFERENCE_TIMEOUT_S)
+            results[rank] = out
+    except queue_module.Empty:
+        print("note: steps=%s: PyTorch's own ranks %s hung in its join (attempt %d); killed, running the "
+              "reference again" % (args.steps, sorted(set(range(world)) - set(results)), attempt + 1))
+        for p in procs:
+            p.kill()
+            p.join(timeout=10)
+        return None
     for p in procs:
         p.join(timeout=30)
+    return results
+
+
+def check(args, problems):
+    """Runs PyTorch on one case and appends its differences from chorus's files to problems.
+
+    PyTorch 1.13's DDP join over gloo itself hangs now and then: on this project's 2-core machine,
+    1 in 6 runs of steps=5,2,3 with nothing of chorus involved (reproduced with fork and with spawn).
+    A case takes about a second, so a reference that has not finished in REFERENCE_TIMEOUT_S is
+    killed and computed again, up to REFERENCE_ATTEMPTS times; chorus's side is never rerun and
+    the comparison is unchanged."""
+    world = len(args.steps.split(","))
+    results = None
+    for attempt in range(REFERENCE_ATTEMPTS):
+        results = run_reference(args, world, attempt)
+        if results is not None:
+            break
+    if results is None:
+        problems.append("steps=%s: PyTorch's reference hung %d times in a row" % (args.steps, REFERENCE_ATTEMPTS))
+        return
 
     where = "steps=%s divide_by_initial_world_size=%d find_unused_parameters=%d" % (
         args.steps, args.divide_by_initial, args.find_unused)

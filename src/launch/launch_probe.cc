@@ -45,7 +45,7 @@ int main(int argc, char** argv) {
   if (mode == "env") {
     std::ofstream out(arg + "/rank_" + std::to_string(rank) + ".env");
     for (const char* k : {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                          "MASTER_PORT", "CHORUS_RESTART_COUNT", "CHORUS_JOB_TOKEN"}) {
+                          "MASTER_PORT", "CHORUS_STORE_PORT", "CHORUS_RESTART_COUNT", "CHORUS_JOB_TOKEN"}) {
       const char* v = std::getenv(k);
       out << k << "=" << (v ? v : "") << "\n";
     }

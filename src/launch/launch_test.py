@@ -51,6 +51,9 @@ class LaunchTest(unittest.TestCase):
             with open(os.path.join(self.dir, "rank_%d.env" % rank)) as f:
                 envs.append(dict(line.strip().split("=", 1) for line in f if "=" in line))
         ports = {e["MASTER_PORT"] for e in envs}
+        # chorus's store is elsewhere: MASTER_PORT is left to PyTorch's env:// store.
+        self.assertEqual(len({e["CHORUS_STORE_PORT"] for e in envs}), 1)
+        self.assertNotEqual(envs[0]["CHORUS_STORE_PORT"], envs[0]["MASTER_PORT"])
         tokens = {e["CHORUS_JOB_TOKEN"] for e in envs}
         self.assertEqual(len(ports), 1)
         self.assertEqual(len(tokens), 1)
@@ -157,6 +160,38 @@ class LaunchTest(unittest.TestCase):
             for r in range(2):
                 with open(os.path.join(d, "rank_%d.signal" % r)) as f:
                     self.assertEqual(int(f.read()), int(sig))
+
+    def test_python_scripts_on_gloo_and_on_chorus(self):
+        # PyTorch's env:// store gets MASTER_PORT, chorus's own store CHORUS_STORE_PORT: an
+        # unchanged script's init_process_group finds no port taken (docs/python.md).
+        script = os.path.join(self.dir, "train.py")
+        with open(script, "w") as f:
+            f.write("import sys, torch, torch.distributed as dist\n"
+                    "if sys.argv[1] == 'chorus':\n"
+                    "    import chorus\n"
+                    "dist.init_process_group(sys.argv[1])\n"
+                    "t = torch.ones(3) * (dist.get_rank() + 1)\n"
+                    "dist.all_reduce(t)\n"
+                    "print('rank %d of %d: %s' % (dist.get_rank(), dist.get_world_size(), t.tolist()), flush=True)\n"
+                    "dist.destroy_process_group()\n")
+        package = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(ARGS.chorus))), "python")
+        backends = ["gloo"] + (["chorus"] if os.path.isdir(os.path.join(package, "chorus")) else [])
+        env = dict(os.environ, PYTHONPATH=package)
+        for backend in backends:
+            r = run([ARGS.chorus, "run", "-n", "3", "/usr/bin/python3", script, backend], timeout=120, env=env)
+            self.assertEqual(r.returncode, 0, (backend, r.stderr))
+            for rank in range(3):
+                self.assertIn("rank %d of 3: [6.0, 6.0, 6.0]" % rank, r.stdout, backend)
+        # With the chorus package imported, a Python error's last line is the root cause chorus run
+        # reports (python/chorus/__init__.py records it in CHORUS_ERROR_FILE).
+        if "chorus" in backends:
+            bad = os.path.join(self.dir, "bad.py")
+            with open(bad, "w") as f:
+                f.write("import os, time, chorus\nif os.environ['RANK'] == '1':\n"
+                        "    raise ValueError('no data for rank 1')\ntime.sleep(30)\n")
+            r = run([ARGS.chorus, "run", "-n", "2", "/usr/bin/python3", bad], timeout=60, env=env)
+            self.assertNotEqual(r.returncode, 0)
+            self.assertRegex(r.stderr, r"root cause: rank 1 .*\n\s*message: ValueError: no data for rank 1")
 
     def test_double_dash_and_torchrun_spellings(self):
         for i, args in enumerate((["-n", "2", "--"], ["--nproc_per_node", "2", "--standalone"],

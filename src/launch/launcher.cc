@@ -7,8 +7,10 @@
 #include "chorus/launch/launcher.h"
 
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -38,6 +40,25 @@ extern char** environ;
 
 namespace chorus::launch {
 namespace {
+
+// A TCP port that is free on every address of this machine now: the one PyTorch's env:// store
+// (rank 0's TCPStore server) listens on in a job that `chorus run` starts, next to chorus's own
+// store. The kernel picks it; the window until PyTorch binds it is short.
+int free_tcp_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) throw Error(std::string("chorus run: socket(): ") + std::strerror(errno));
+  sockaddr_in addr = {};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  const int err = errno;
+  ::close(fd);
+  if (!ok) throw Error(std::string("chorus run: no free TCP port for PyTorch's store: ") + std::strerror(err));
+  return ntohs(addr.sin_port);
+}
 
 namespace fs = std::filesystem;
 using detail::Clock;
@@ -271,6 +292,7 @@ class Agent {
                          " s; is node 0's launcher running and the address reachable? (" + e.what() + ")" +
                          (elastic() ? " This launcher does not host the store itself: " + host_error_ : ""));
     }
+    share_torch_port(timeout);
     if (elastic()) return;  // node ranks come from the rounds (run_elastic)
     // Claim the node rank, publish this node's process count, learn everyone's.
     const std::string me = host_name() + " pid " + std::to_string(::getpid());
@@ -294,6 +316,20 @@ class Agent {
       if (n < o_.node_rank) offset_ += count;
       world_ += count;
     }
+  }
+
+  // MASTER_PORT for the workers: a port of its own for PyTorch's env:// TCPStore, which rank 0
+  // opens on MASTER_ADDR (the store host's machine, where rank 0 runs), so that a Python script's
+  // init_process_group("gloo" or "chorus") does not collide with chorus's store. The store host
+  // picks it; the other nodes read it from the store. chorus's own env:// rendezvous goes to
+  // CHORUS_STORE_ADDR/PORT instead.
+  void share_torch_port(std::chrono::milliseconds timeout) {
+    const std::string key = "launch/torch_port";
+    if (elastic() ? store_host_ : o_.node_rank == 0) {
+      store_->compare_set(key, "", std::to_string(free_tcp_port()));
+    }
+    store_->wait({key}, timeout);
+    torch_port_ = std::stoi(store_->get(key));
   }
 
   void finish_ok() {
@@ -335,7 +371,9 @@ class Agent {
     put("LOCAL_WORLD_SIZE", std::to_string(nproc_));
     put("GROUP_RANK", std::to_string(node_rank_));
     put("MASTER_ADDR", master_addr_);
-    put("MASTER_PORT", std::to_string(master_port_));
+    put("MASTER_PORT", std::to_string(torch_port_));         // PyTorch's env:// store (share_torch_port)
+    put("CHORUS_STORE_ADDR", master_addr_);                  // chorus's own, authenticated store
+    put("CHORUS_STORE_PORT", std::to_string(master_port_));
     put("CHORUS_RESTART_COUNT", std::to_string(attempt));
     put("TORCHELASTIC_RESTART_COUNT", std::to_string(attempt));
     put("CHORUS_JOB_TOKEN", token_);
@@ -550,6 +588,7 @@ class Agent {
   int offset_ = 0;
   std::string master_addr_;
   int master_port_ = -1;
+  int torch_port_ = -1;  // MASTER_PORT for the workers (share_torch_port)
   std::string token_;
   std::string scratch_;
   std::unique_ptr<TcpStoreServer> server_;
