@@ -1,0 +1,105 @@
+#!/usr/bin/python3
+"""Faults from Python on the "chorus" backend (docs/python.md): errors instead of hangs.
+
+- A rank SIGKILLed while the others run an all_reduce: every other rank raises RuntimeError within
+  seconds (far inside the 60 s timeout), naming the dead rank.
+- A rank that never joins an all_reduce: the others raise RuntimeError once the timeout given to
+  init_process_group (3 s) has passed, naming the rank they waited for.
+Prints "OK: ..." and exits 0, or one line per problem and exits 1.
+"""
+import datetime
+import os
+import signal
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import chorus  # noqa: F401
+
+
+def killed_peer(rank, world, store, queue):
+    dist.init_process_group("chorus", init_method="file://" + store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    t = torch.ones(1 << 16)
+    dist.all_reduce(t)  # everyone is connected
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.time()
+    try:
+        for _ in range(100000):
+            dist.all_reduce(t)
+        queue.put((rank, "no error"))
+    except RuntimeError as e:
+        queue.put((rank, (time.time() - t0, str(e))))
+
+
+def missing_peer(rank, world, store, queue):
+    dist.init_process_group("chorus", init_method="file://" + store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=3))
+    if rank == 1:
+        time.sleep(5)  # never calls the collective
+        queue.put((rank, "slept"))
+        return
+    t0 = time.time()
+    try:
+        dist.all_reduce(torch.ones(10))
+        queue.put((rank, "no error"))
+    except RuntimeError as e:
+        queue.put((rank, (time.time() - t0, str(e))))
+
+
+def run(fn, world, expect):
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="chorus-fault-") as tmp:
+        procs = [ctx.Process(target=fn, args=(r, world, os.path.join(tmp, "store"), queue), daemon=True)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        out = {}
+        for _ in range(expect):
+            rank, result = queue.get(timeout=60)
+            out[rank] = result
+        for p in procs:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+    return out
+
+
+def main():
+    problems = []
+    world = 3
+    got = run(killed_peer, world, world - 1)
+    for rank in range(world - 1):
+        r = got.get(rank)
+        if not isinstance(r, tuple):
+            problems.append("killed peer: rank %d: %r" % (rank, r))
+        elif r[0] > 10 or "rank %d" % (world - 1) not in r[1]:
+            problems.append("killed peer: rank %d raised after %.1f s: %s" % (rank, r[0], r[1]))
+    kill_times = [got[r][0] for r in got if isinstance(got[r], tuple)]
+    got = run(missing_peer, world, world)
+    for rank in (0, 2):
+        r = got.get(rank)
+        if not isinstance(r, tuple):
+            problems.append("missing peer: rank %d: %r" % (rank, r))
+        elif not 2.5 < r[0] < 12 or "rank 1" not in r[1]:
+            problems.append("missing peer: rank %d raised after %.1f s: %s" % (rank, r[0], r[1]))
+    wait_times = [got[r][0] for r in (0, 2) if isinstance(got.get(r), tuple)]
+    for line in problems:
+        print(line)
+    if not problems:
+        print("example messages:\n  " + got[0][1].splitlines()[0][:300])
+    print("%s: a SIGKILLed rank raised RuntimeError on the others after %s s; a missing rank after %s s "
+          "(timeout 3 s)" % ("FAILED" if problems else "OK", ", ".join("%.2f" % t for t in kill_times),
+                             ", ".join("%.2f" % t for t in wait_times)))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
