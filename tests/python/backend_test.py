@@ -19,9 +19,11 @@ import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import chorus  # noqa: F401  (registers the backend)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src", "ddp"))
+import parity_util  # noqa: E402  (run_forked, shared with the DDP parity scripts)
 
 # What gloo (1.13) reduces on the CPU; bfloat16, which gloo refuses, is checked on chorus alone below.
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.int8, torch.uint8, torch.int32, torch.int64]
@@ -172,18 +174,8 @@ def free_port():
 
 
 def run(backend, world, init):
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, world, backend, init, queue), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    for _ in procs:
-        rank, out = queue.get(timeout=120)
-        results[rank] = out if isinstance(out, str) else torch.load(io.BytesIO(out))
-    for p in procs:
-        p.join(timeout=30)
-    return results
+    results = parity_util.run_forked(worker, world, backend, init)
+    return {r: out if isinstance(out, str) else torch.load(io.BytesIO(out)) for r, out in results.items()}
 
 
 def main():
