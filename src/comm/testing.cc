@@ -4,11 +4,16 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
+#include <ucontext.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <thread>
 
 #include <atomic>
@@ -19,20 +24,83 @@
 namespace chorus::testing {
 namespace {
 
-// A rank that crashes (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT) writes its stack to stderr before
-// dying as it would have, so that a crash on a machine the session can no longer reach (the GPU
-// runs) is located from the log alone. Test executables link with -rdynamic for the names.
-void crash_handler(int sig) {
-  char head[96];
-  const int n = std::snprintf(head, sizeof(head), "chorus test rank (pid %d): fatal signal %d; stack:\n",
-                              static_cast<int>(::getpid()), sig);
+// A rank or test process that crashes (SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT) writes its stack,
+// the faulting address and the mapping it lies in to stderr before dying as it would have, so
+// that a crash on a machine the session can no longer reach (the GPU runs) is located from the log
+// alone. Test executables link with -rdynamic for the names.
+const pid_t g_test_pid = ::getpid();  // ranks are forked: they see the test process's pid here
+
+void write_err(const char* text, int n) {
   if (n > 0) {
-    ssize_t ignored = ::write(2, head, static_cast<size_t>(n));
+    ssize_t ignored = ::write(2, text, static_cast<size_t>(std::min(n, 511)));
     (void)ignored;
   }
+}
+
+// Writes the /proc/self/maps line whose range holds `addr` (which file, at which offset), or says
+// there is none. Only async-signal-safe calls, no allocation.
+void describe_address(const char* label, uintptr_t addr) {
+  char line[512];
+  int fd = ::open("/proc/self/maps", O_RDONLY | O_CLOEXEC);
+  char buf[4096];
+  size_t used = 0;
+  bool found = false;
+  for (ssize_t got; fd >= 0 && !found && (got = ::read(fd, buf + used, sizeof(buf) - used - 1)) > 0;) {
+    used += static_cast<size_t>(got);
+    buf[used] = '\0';
+    char* start = buf;
+    for (char* nl; (nl = std::strchr(start, '\n')) != nullptr; start = nl + 1) {
+      *nl = '\0';
+      char* dash = nullptr;
+      const uintptr_t lo = std::strtoull(start, &dash, 16);
+      const uintptr_t hi = dash != nullptr && *dash == '-' ? std::strtoull(dash + 1, nullptr, 16) : 0;
+      if (addr >= lo && addr < hi) {
+        // "lo-hi perms offset dev inode path": the file offset of `addr` is offset + (addr - lo).
+        const char* field = std::strchr(dash, ' ');
+        field = field != nullptr ? std::strchr(field + 1, ' ') : nullptr;
+        const uintptr_t offset = field != nullptr ? std::strtoull(field + 1, nullptr, 16) : 0;
+        write_err(line, std::snprintf(line, sizeof(line), "  %s 0x%lx (file offset 0x%lx in: %s)\n", label,
+                                      static_cast<unsigned long>(addr), static_cast<unsigned long>(offset + addr - lo),
+                                      start));
+        found = true;
+        break;
+      }
+    }
+    used = static_cast<size_t>(buf + used - start);
+    std::memmove(buf, start, used);
+    if (used >= sizeof(buf) - 1) used = 0;  // an over-long line: drop it
+  }
+  if (fd >= 0) ::close(fd);
+  if (!found) {
+    write_err(line, std::snprintf(line, sizeof(line), "  %s 0x%lx (in no mapping)\n", label,
+                                  static_cast<unsigned long>(addr)));
+  }
+}
+
+void crash_handler(int sig, siginfo_t* info, void* context) {
+  char head[256];
+  const pid_t pid = ::getpid();
+  write_err(head, std::snprintf(head, sizeof(head), "chorus %s (pid %d, thread %ld): fatal signal %d at address %p; stack:\n",
+                                pid == g_test_pid ? "test process" : "test rank", static_cast<int>(pid),
+                                static_cast<long>(::syscall(SYS_gettid)), sig, info != nullptr ? info->si_addr : nullptr));
   void* frames[64];
   const int depth = ::backtrace(frames, 64);
   ::backtrace_symbols_fd(frames, depth, 2);
+#if defined(__x86_64__)
+  // Where it faulted, from the signal's saved registers: the unwinder cannot step past code
+  // without unwind tables (a driver library) or a jump to a bad address, so say where that is and
+  // where the call came from (the return address on top of the stack, for a call through a bad
+  // pointer).
+  if (context != nullptr) {
+    const auto* uc = static_cast<const ucontext_t*>(context);
+    const auto pc = static_cast<uintptr_t>(uc->uc_mcontext.gregs[REG_RIP]);
+    const auto sp = static_cast<uintptr_t>(uc->uc_mcontext.gregs[REG_RSP]);
+    describe_address("pc", pc);
+    if (sp != 0 && sp % sizeof(uintptr_t) == 0) describe_address("[sp]", *reinterpret_cast<const uintptr_t*>(sp));
+  }
+#else
+  (void)context;
+#endif
   ::raise(sig);  // SA_RESETHAND: the default action now
 }
 
@@ -40,8 +108,8 @@ void report_crashes() {
   void* warm[1];
   ::backtrace(warm, 1);  // loads the unwinder now, not inside the handler
   struct sigaction sa = {};
-  sa.sa_handler = crash_handler;
-  sa.sa_flags = SA_RESETHAND;
+  sa.sa_sigaction = crash_handler;
+  sa.sa_flags = SA_RESETHAND | SA_SIGINFO;
   sigemptyset(&sa.sa_mask);
   for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) ::sigaction(sig, &sa, nullptr);
 }

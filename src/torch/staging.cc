@@ -164,7 +164,15 @@ void Call::wait_copy(std::shared_ptr<c10::Event> copied) {
 void Call::add(std::shared_ptr<Work> work) { works_.push_back(std::move(work)); }
 
 void Call::copy_to_device(const at::Tensor& host, const at::Tensor& dev) {
-  if (!returned_) returned_ = std::make_shared<c10::Event>(device_.type());
+  if (!returned_) {
+    returned_ = std::make_shared<c10::Event>(device_.type());
+    // The copy back lands after everything the caller queued so far: a kernel still writing the
+    // destination (the zeros a receive buffer was made of) must not overwrite the result. Marked
+    // now, on the caller's thread; the copy itself is queued later, by the step below.
+    c10::Event ready(device_.type());
+    ready.record(caller_);
+    ready.block(to_device_);
+  }
   auto returned = returned_;
   auto stream = to_device_;
   at::Tensor h = host;
