@@ -5,11 +5,11 @@
 // its queue. Each operation's Future completes on a completion thread in issue order, so DDP's hooks
 // chain on it and the gradient allreduce overlaps backward. Links libtorch and chorus_comm only.
 //
-// First part of issue 26: allreduce, allreduce_coalesced, broadcast, reduce, allgather,
-// _allgather_base, gather, scatter, reduce_scatter, _reduce_scatter_base, alltoall_base (equal
-// splits), send, recv, barrier on CPU tensors. Not yet: alltoall with split sizes and lists,
-// allgather_coalesced, recvAnysource, monitored_barrier, CUDA tensors (UsageError-like
-// RuntimeErrors say so).
+// Operations: allreduce, allreduce_coalesced, broadcast, reduce, allgather, _allgather_base,
+// allgather_coalesced, gather, scatter, reduce_scatter, _reduce_scatter_base, alltoall and
+// alltoall_base (split sizes too), send, recv, barrier, on CPU tensors. SUM, AVG, PRODUCT, MIN and MAX
+// run as chorus's reductions; BAND, BOR and BXOR (integers and bool) gather every rank's tensor and
+// fold it locally. Not supported, with an error that says so: recvAnysource, PREMUL_SUM, CUDA tensors.
 #include <pybind11/chrono.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -18,6 +18,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
@@ -101,8 +102,12 @@ ReduceOp reduce_op(const ::c10d::ReduceOp& op, const char* name) {
     default: break;
   }
   throw UsageError(std::string("chorus backend: ") + name +
-                   ": this reduce op (BAND/BOR/BXOR/PREMUL_SUM) is not supported by chorus yet; SUM, AVG, "
-                   "PRODUCT, MIN and MAX are");
+                   ": this reduce op is not supported here; SUM, AVG, PRODUCT, MIN and MAX are everywhere, and "
+                   "BAND, BOR and BXOR in all_reduce and reduce (PREMUL_SUM is NCCL's alone)");
+}
+
+bool bitwise(const ::c10d::ReduceOp& op) {
+  return op.op_ == ::c10d::ReduceOp::BAND || op.op_ == ::c10d::ReduceOp::BOR || op.op_ == ::c10d::ReduceOp::BXOR;
 }
 
 void check_tensor(const at::Tensor& t, const char* op) {
@@ -209,6 +214,7 @@ class ProcessGroupChorus final : public ::c10d::ProcessGroup {
   c10::intrusive_ptr<::c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                             const ::c10d::AllreduceOptions& opts) override {
     const at::Tensor& t = single(tensors, "allreduce");
+    if (bitwise(opts.reduceOp)) return bitwise_reduce(::c10d::OpType::ALLREDUCE, t, opts.reduceOp, -1, "allreduce");
     const DataType dt = data_type(t, "allreduce", true);
     const ReduceOp op = reduce_op(opts.reduceOp, "allreduce");
     return submit(::c10d::OpType::ALLREDUCE, {t},
@@ -237,6 +243,9 @@ class ProcessGroupChorus final : public ::c10d::ProcessGroup {
 
   c10::intrusive_ptr<::c10d::Work> reduce(std::vector<at::Tensor>& tensors, const ::c10d::ReduceOptions& opts) override {
     const at::Tensor& t = single(tensors, "reduce");
+    if (bitwise(opts.reduceOp)) {
+      return bitwise_reduce(::c10d::OpType::REDUCE, t, opts.reduceOp, static_cast<int>(opts.rootRank), "reduce");
+    }
     return submit(::c10d::OpType::REDUCE, {t},
                   {pg_->reduce(t.data_ptr(), static_cast<size_t>(t.numel()), data_type(t, "reduce", true),
                                reduce_op(opts.reduceOp, "reduce"), static_cast<int>(opts.rootRank))});
@@ -355,18 +364,81 @@ class ProcessGroupChorus final : public ::c10d::ProcessGroup {
                                                 const ::c10d::AllToAllOptions&) override {
     check_tensor(input, "alltoall_base");
     check_tensor(output, "alltoall_base");
-    if (!output_split_sizes.empty() || !input_split_sizes.empty()) {
-      throw UsageError("chorus backend: all_to_all_single with split sizes is not supported yet (issue 26); "
-                       "equal splits are");
+    if (input.scalar_type() != output.scalar_type()) {
+      throw UsageError("chorus backend: all_to_all_single: input and output must have the same dtype");
     }
-    if (input.numel() != output.numel() || input.numel() % getSize() != 0) {
-      throw UsageError("chorus backend: all_to_all_single: input and output must have the same size, divisible by "
-                       "the world size");
+    if (output_split_sizes.empty() && input_split_sizes.empty()) {
+      if (input.numel() != output.numel() || input.dim() == 0 || input.size(0) % getSize() != 0) {
+        throw UsageError("chorus backend: all_to_all_single: without split sizes, input and output must have the same "
+                         "size, with a first dimension divisible by the world size (" + std::to_string(getSize()) + ")");
+      }
+      return submit(::c10d::OpType::ALLTOALL_BASE, {output},
+                    {pg_->alltoall(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel() / getSize()),
+                                   data_type(input, "all_to_all_single", false))},
+                    {input});
     }
-    return submit(::c10d::OpType::ALLTOALL_BASE, {output},
-                  {pg_->alltoall(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel() / getSize()),
-                                 data_type(input, "all_to_all_single", false))},
-                  {input});
+    std::vector<at::Tensor> sends = rows(input, input_split_sizes, "input");
+    std::vector<at::Tensor> recvs = rows(output, output_split_sizes, "output");
+    return alltoall_uneven(::c10d::OpType::ALLTOALL_BASE, {output}, sends, recvs, {input}, "all_to_all_single");
+  }
+
+  c10::intrusive_ptr<::c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                           const ::c10d::AllToAllOptions&) override {
+    if (outputs.size() != static_cast<size_t>(getSize()) || inputs.size() != static_cast<size_t>(getSize())) {
+      throw UsageError("chorus backend: all_to_all: the input and output lists must hold one tensor per rank (" +
+                       std::to_string(getSize()) + ")");
+    }
+    std::vector<at::Tensor> sends, recvs;
+    for (auto& t : inputs) {
+      check_tensor(t, "all_to_all");
+      sends.push_back(t.view({-1}));
+    }
+    for (auto& t : outputs) {
+      check_tensor(t, "all_to_all");
+      recvs.push_back(t.view({-1}));
+    }
+    return alltoall_uneven(::c10d::OpType::ALLTOALL, outputs, sends, recvs, inputs, "all_to_all");
+  }
+
+  // output_lists[r][i] receives rank r's inputs[i] (one list per rank, as PyTorch documents).
+  c10::intrusive_ptr<::c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& output_lists,
+                                                      std::vector<at::Tensor>& inputs,
+                                                      const ::c10d::AllgatherOptions&) override {
+    const auto world = static_cast<size_t>(getSize());
+    if (output_lists.size() != world) {
+      throw UsageError("chorus backend: all_gather_coalesced: the output must hold one list per rank (" +
+                       std::to_string(world) + "), got " + std::to_string(output_lists.size()));
+    }
+    for (const auto& list : output_lists) {
+      if (list.size() != inputs.size()) {
+        throw UsageError("chorus backend: all_gather_coalesced: every output list must hold one tensor per input (" +
+                         std::to_string(inputs.size()) + ")");
+      }
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        check_tensor(list[i], "all_gather_coalesced");
+        if (list[i].numel() != inputs[i].numel() || list[i].scalar_type() != inputs[i].scalar_type()) {
+          throw UsageError("chorus backend: all_gather_coalesced: output tensor " + std::to_string(i) +
+                           " must match input " + std::to_string(i) + "'s size and dtype");
+        }
+      }
+    }
+    std::vector<std::shared_ptr<Work>> works;
+    std::vector<at::Tensor> keep, flats, outs;
+    for (const auto& in : inputs) {
+      check_tensor(in, "all_gather_coalesced");
+      at::Tensor flat = at::empty({getSize(), in.numel()}, in.options());
+      works.push_back(pg_->allgather(in.data_ptr(), flat.data_ptr(), static_cast<size_t>(in.numel()),
+                                     data_type(in, "all_gather_coalesced", false)));
+      keep.push_back(in);
+      flats.push_back(flat);
+    }
+    for (const auto& list : output_lists) outs.insert(outs.end(), list.begin(), list.end());
+    const size_t n = inputs.size();
+    return submit(::c10d::OpType::ALLGATHER_COALESCED, outs, std::move(works), keep, [flats, outs, n, world]() mutable {
+      for (size_t r = 0; r < world; ++r) {
+        for (size_t i = 0; i < n; ++i) outs[r * n + i].view({-1}).copy_(flats[i][static_cast<int64_t>(r)]);
+      }
+    });
   }
 
   c10::intrusive_ptr<::c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
@@ -381,6 +453,11 @@ class ProcessGroupChorus final : public ::c10d::ProcessGroup {
                   {pg_->recv(t.data_ptr(), static_cast<size_t>(t.numel()), data_type(t, "recv", false), src, tag)});
   }
 
+  c10::intrusive_ptr<::c10d::Work> recvAnysource(std::vector<at::Tensor>&, int) override {
+    throw UsageError("chorus backend: recv without a source (recvAnysource) is not supported: chorus matches every "
+                     "message by its sender; pass src= (the sender's rank)");
+  }
+
   c10::intrusive_ptr<::c10d::Work> barrier(const ::c10d::BarrierOptions&) override {
     return submit(::c10d::OpType::BARRIER, {}, {pg_->barrier()});
   }
@@ -392,6 +469,104 @@ class ProcessGroupChorus final : public ::c10d::ProcessGroup {
     std::vector<at::Tensor> keep;
     std::function<void()> finish;
   };
+
+  // `t`'s rows split by `splits` (one count per rank; empty: equal parts), as flat views.
+  std::vector<at::Tensor> rows(const at::Tensor& t, const std::vector<int64_t>& splits, const char* which) const {
+    const int64_t world = getSize();
+    const int64_t n = t.dim() == 0 ? 1 : t.size(0);
+    const int64_t row = n == 0 ? 0 : t.numel() / n;
+    std::vector<int64_t> parts = splits;
+    if (parts.empty()) {
+      if (n % world != 0) {
+        throw UsageError(std::string("chorus backend: all_to_all_single: the ") + which + "'s first dimension (" +
+                         std::to_string(n) + ") is not divisible by the world size (" + std::to_string(world) +
+                         "); pass its split sizes");
+      }
+      parts.assign(static_cast<size_t>(world), n / world);
+    }
+    int64_t total = 0;
+    for (int64_t p : parts) total += p;
+    if (parts.size() != static_cast<size_t>(world) || total != n) {
+      throw UsageError(std::string("chorus backend: all_to_all_single: the ") + which + " split sizes must be " +
+                       std::to_string(world) + " counts that add up to its first dimension (" + std::to_string(n) + ")");
+    }
+    std::vector<at::Tensor> out;
+    at::Tensor flat = t.view({-1});
+    int64_t offset = 0;
+    for (int64_t p : parts) {
+      out.push_back(flat.narrow(0, offset * row, p * row));
+      offset += p;
+    }
+    return out;
+  }
+
+  // An all-to-all of pieces of any size, over chorus's even one: every piece is padded to the
+  // largest piece any rank sends (one allreduce(MAX) of a number first), and each received piece
+  // is copied out of its padded block once the exchange is done.
+  c10::intrusive_ptr<::c10d::Work> alltoall_uneven(::c10d::OpType type, std::vector<at::Tensor> outputs,
+                                                  const std::vector<at::Tensor>& sends,
+                                                  const std::vector<at::Tensor>& recvs, std::vector<at::Tensor> keep,
+                                                  const char* name) {
+    const at::ScalarType dtype = sends.front().scalar_type();
+    for (const auto& t : sends) {
+      if (t.scalar_type() != dtype) throw UsageError(std::string("chorus backend: ") + name + ": every tensor must have one dtype");
+    }
+    for (const auto& t : recvs) {
+      if (t.scalar_type() != dtype) throw UsageError(std::string("chorus backend: ") + name + ": every tensor must have one dtype");
+    }
+    const DataType dt = data_type(sends.front(), name, false);
+    int64_t largest = 0;
+    for (const auto& t : sends) largest = std::max<int64_t>(largest, t.numel());
+    pg_->allreduce(&largest, 1, DataType::kInt64, ReduceOp::kMax)->wait();
+    const int64_t world = getSize();
+    at::Tensor in = at::zeros({world, largest}, sends.front().options());
+    at::Tensor out = at::empty({world, largest}, sends.front().options());
+    for (int64_t j = 0; j < world; ++j) in[j].narrow(0, 0, sends[static_cast<size_t>(j)].numel()).copy_(sends[static_cast<size_t>(j)]);
+    for (int64_t j = 0; j < world; ++j) {
+      if (recvs[static_cast<size_t>(j)].numel() > largest) {
+        throw UsageError(std::string("chorus backend: ") + name + ": rank " + std::to_string(getRank()) + " expects " +
+                         std::to_string(recvs[static_cast<size_t>(j)].numel()) + " elements from rank " +
+                         std::to_string(j) + ", more than any rank sends (" + std::to_string(largest) +
+                         "); the split sizes disagree between ranks");
+      }
+    }
+    keep.push_back(in);
+    std::vector<std::shared_ptr<Work>> works;
+    if (largest > 0) works.push_back(pg_->alltoall(in.data_ptr(), out.data_ptr(), static_cast<size_t>(largest), dt));
+    return submit(type, std::move(outputs), std::move(works), std::move(keep), [out, recvs]() mutable {
+      for (size_t j = 0; j < recvs.size(); ++j) recvs[j].copy_(out[static_cast<int64_t>(j)].narrow(0, 0, recvs[j].numel()));
+    });
+  }
+
+  // BAND, BOR, BXOR: chorus's reductions are arithmetic, so every rank's tensor is gathered and
+  // folded with the bitwise operation here (W times an allreduce's bytes; these ops serve flags and
+  // masks). `root` < 0: every rank gets the result; else only the root.
+  c10::intrusive_ptr<::c10d::Work> bitwise_reduce(::c10d::OpType type, const at::Tensor& t,
+                                                 const ::c10d::ReduceOp& op, int root, const char* name) {
+    if (at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type())) {
+      throw UsageError(std::string("chorus backend: ") + name + ": BAND, BOR and BXOR take integer or bool tensors, not " +
+                       c10::toString(t.scalar_type()));
+    }
+    at::Tensor flat = at::empty({getSize(), t.numel()}, t.options());
+    auto w = pg_->allgather(t.data_ptr(), flat.data_ptr(), static_cast<size_t>(t.numel()), data_type(t, name, false));
+    const auto kind = op.op_;
+    const bool mine = root < 0 || root == getRank();
+    at::Tensor target = t;
+    return submit(type, {t}, {w}, {flat}, [flat, target, kind, mine]() mutable {
+      if (!mine) return;
+      at::Tensor acc = flat[0].clone();
+      for (int64_t r = 1; r < flat.size(0); ++r) {
+        if (kind == ::c10d::ReduceOp::BAND) {
+          acc.bitwise_and_(flat[r]);
+        } else if (kind == ::c10d::ReduceOp::BOR) {
+          acc.bitwise_or_(flat[r]);
+        } else {
+          acc.bitwise_xor_(flat[r]);
+        }
+      }
+      target.view({-1}).copy_(acc);
+    });
+  }
 
   // Errors from argument checks surface as RuntimeError in Python with chorus's message.
   c10::intrusive_ptr<::c10d::Work> submit(::c10d::OpType type, std::vector<at::Tensor> outputs,

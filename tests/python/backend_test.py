@@ -65,6 +65,27 @@ def run_ops(rank, world):
     a2a = torch.zeros(world * 4, dtype=torch.int64)
     dist.all_to_all_single(a2a, values(world * 4, rank, torch.int64))
     out["all_to_all_single"] = a2a
+    # all_to_all_single with split sizes: rank r sends r + j + 1 rows of 3 to rank j
+    send_splits = [rank + j + 1 for j in range(world)]
+    recv_splits = [j + rank + 1 for j in range(world)]
+    a2a = torch.zeros(sum(recv_splits), 3, dtype=torch.float64)
+    dist.all_to_all_single(a2a, values(sum(send_splits) * 3, rank, torch.float64).reshape(-1, 3),
+                           output_split_sizes=recv_splits, input_split_sizes=send_splits)
+    out["all_to_all_single splits"] = a2a
+    # all_gather_coalesced: two inputs of different sizes and shapes (one dtype, as PyTorch requires)
+    lists = [[torch.zeros(5, dtype=torch.int64), torch.zeros(3, 2, dtype=torch.int64)] for _ in range(world)]
+    dist.all_gather_coalesced(lists, [values(5, rank, torch.int64), values(6, rank, torch.int64, 1).reshape(3, 2)])
+    out["all_gather_coalesced"] = torch.cat([torch.cat([t.reshape(-1).double() for t in lst]) for lst in lists])
+    # bitwise reductions on integers
+    for op in (dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR):
+        for dt in (torch.uint8, torch.int32, torch.int64):
+            t = (torch.arange(100, dtype=torch.int64) * (rank + 3) * 37 % 251).to(dt)
+            dist.all_reduce(t, op=op)
+            out["all_reduce %s %s" % (op, dt)] = t
+        t = (torch.arange(50, dtype=torch.int64) * (rank + 5) * 11 % 127).to(torch.int32)
+        dist.reduce(t, dst=world - 1, op=op)
+        if rank == world - 1:
+            out["reduce %s" % op] = t
     recv = torch.zeros(n)
     reqs = [dist.isend(values(n, rank, torch.float32), (rank + 1) % world),
             dist.irecv(recv, (rank + world - 1) % world)]
@@ -96,7 +117,7 @@ class Net(torch.nn.Module):
 
 def chorus_only_ops(rank, world):
     """What gloo 1.13 lacks on the CPU (all_gather_into_tensor, reduce_scatter, reduce_scatter_tensor,
-    bfloat16): checked against the values computed here. Returns a list of problems."""
+    all_to_all with lists, bfloat16): checked against the values computed here. Returns a list of problems."""
     problems = []
     n = 257
     big = torch.zeros(world * n)
@@ -111,6 +132,11 @@ def chorus_only_ops(rank, world):
     dist.reduce_scatter_tensor(rst, values(world * n, rank, torch.float64))
     if not torch.equal(rst, sum(values(world * n, r, torch.float64) for r in range(world))[rank * n:(rank + 1) * n]):
         problems.append("reduce_scatter_tensor")
+    # all_to_all with lists of uneven tensors (an empty one too): rank r sends 2r + j values to j
+    outs = [torch.zeros(2 * j + rank, dtype=torch.int32) for j in range(world)]
+    dist.all_to_all(outs, [values(2 * rank + j, rank, torch.int32, j) for j in range(world)])
+    if not all(torch.equal(outs[j], values(2 * j + rank, j, torch.int32, rank)) for j in range(world)):
+        problems.append("all_to_all")
     t = values(1000, rank, torch.bfloat16)
     dist.all_reduce(t)
     if not torch.equal(t, sum(values(1000, r, torch.float32) for r in range(world)).to(torch.bfloat16)):
@@ -148,8 +174,13 @@ def worker(rank, world, backend, init, queue):
             errors = []
             for what, fn, needle in [
                     ("bool reduce", lambda: dist.all_reduce(torch.ones(3, dtype=torch.bool)), "cannot be reduced"),
-                    ("BAND", lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32), op=dist.ReduceOp.BAND),
-                     "not supported"),
+                    ("float BAND", lambda: dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BAND),
+                     "integer or bool"),
+                    ("recv from any source", lambda: dist.recv(torch.zeros(3)), "pass src="),
+                    ("disagreeing splits", lambda: dist.all_to_all_single(
+                        torch.zeros(4 * world + 100), torch.zeros(4 * world),
+                        output_split_sizes=[100 + 4 * world if j == 0 else 0 for j in range(world)],
+                        input_split_sizes=[4] * world), "split sizes disagree"),
                     ("int16", lambda: dist.all_reduce(torch.ones(3, dtype=torch.int16)), "not supported")]:
                 try:
                     fn()
