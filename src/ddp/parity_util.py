@@ -3,6 +3,7 @@ zero_parity_test.py): values and data made by the same formulas as parity_util.h
 reference ranks as forked processes, and the comparison with chorus's values."""
 import argparse
 import multiprocessing
+import queue as queue_module
 
 import torch
 
@@ -36,9 +37,15 @@ def run_forked(worker, world, *args, timeout=120):
     for p in procs:
         p.start()
     results = {}
-    for _ in procs:
-        rank, out = queue.get(timeout=timeout)
-        results[rank] = out
+    try:
+        for _ in procs:
+            rank, out = queue.get(timeout=timeout)
+            results[rank] = out
+    except queue_module.Empty:  # a rank that never answered: end them all, then say so
+        for p in procs:
+            p.kill()
+            p.join(timeout=10)
+        raise
     for p in procs:
         p.join(timeout=30)
     return results
