@@ -5,7 +5,7 @@ PyTorch's test/distributed/test_distributed_spawn.py does, with the backend, wor
 method taken from the command line. chorus is declared to the suite as a plugin backend with DDP
 and sub-group support (DistTestCases.backend_feature), as the suite expects of one.
 
-usage: dist_suite.py --backend chorus|gloo --world 2|3 --init env|file [--only NAMES_FILE]
+usage: dist_suite.py --backend chorus|gloo [--as-gloo] --world 2|3 --init env|file [--only NAMES_FILE]
                      [--json OUT] [--timeout SECONDS] [test_name ...]
 
 Each test runs in its own W freshly spawned processes (the suite's MultiProcessTestCase). Prints one
@@ -23,6 +23,9 @@ def parse_args():
     parser.add_argument("--backend", required=True)
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--init", choices=["env", "file"], default="file")
+    parser.add_argument("--as-gloo", action="store_true",
+                        help="run the suite as if the backend were gloo (its gloo-only tests too), with chorus in gloo's "
+                             "place: every process group the suite asks gloo for is made by chorus")
     parser.add_argument("--only", help="a file with one test name per line (# comments): run only those")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per test (the suite's own)")
@@ -34,9 +37,15 @@ def parse_args():
 # in every rank it spawns (they re-import this file as __mp_main__): set it before the import.
 if __name__ == "__main__":
     _ARGS = parse_args()
-    os.environ["BACKEND"] = _ARGS.backend
+    if _ARGS.as_gloo and _ARGS.backend != "chorus":
+        sys.exit("dist_suite: --as-gloo puts chorus in gloo's place; it takes --backend chorus")
+    os.environ["BACKEND"] = "gloo" if _ARGS.as_gloo else _ARGS.backend
+    os.environ["CHORUS_SUITE_AS_GLOO"] = "1" if _ARGS.as_gloo else ""
     os.environ["WORLD_SIZE"] = str(_ARGS.world)
     os.environ["CHORUS_SUITE_INIT"] = _ARGS.init
+    # Read by the suite's decorators at import (some tests need file://); each test's own file comes
+    # from TestDistBackend.setUp.
+    os.environ["INIT_METHOD"] = "env://" if _ARGS.init == "env" else "file:///chorus-suite-init"
     os.environ["CHORUS_SUITE_TIMEOUT"] = str(_ARGS.timeout)
 
 try:
@@ -56,6 +65,32 @@ for _feature in ("plugin", "ddp", "subgroup"):
 import torch.nn.parallel._replicated_tensor_ddp_utils as _replicated  # noqa: E402
 
 _replicated._set_ddp_with_replicated_tensor = lambda enabled: None
+
+if os.environ.get("CHORUS_SUITE_AS_GLOO"):
+    # The suite gates many tests on BACKEND == "gloo" by name. In this mode it believes it runs
+    # gloo, and every group it asks gloo for is chorus's: gloo's expectations, chorus's collectives.
+    import torch.distributed as _dist
+
+    def _chorus_for_gloo(backend):
+        return "chorus" if backend is not None and str(backend).lower() == "gloo" else backend
+
+    _init_process_group, _new_group = _dist.init_process_group, _dist.new_group
+
+    def _init(*args, **kwargs):
+        if args:
+            args = (_chorus_for_gloo(args[0]),) + args[1:]
+        if "backend" in kwargs:
+            kwargs["backend"] = _chorus_for_gloo(kwargs["backend"])
+        return _init_process_group(*args, **kwargs)
+
+    def _new(*args, **kwargs):
+        if len(args) >= 3:
+            args = args[:2] + (_chorus_for_gloo(args[2]),) + args[3:]
+        if "backend" in kwargs:
+            kwargs["backend"] = _chorus_for_gloo(kwargs["backend"])
+        return _new_group(*args, **kwargs)
+
+    _dist.init_process_group, _dist.new_group = _init, _new
 
 import torch.testing._internal.common_distributed as common_distributed  # noqa: E402
 from torch.testing._internal.common_utils import find_free_port  # noqa: E402
@@ -112,8 +147,8 @@ def main(args):
         else:
             results["passed"].append(name)
             print("passed  %s" % name, flush=True)
-    print("%s W=%d %s://: %d passed, %d failed, %d skipped of %d" % (
-        args.backend, args.world, args.init, len(results["passed"]), len(results["failed"]),
+    print("%s%s W=%d %s://: %d passed, %d failed, %d skipped of %d" % (
+        args.backend, " as gloo" if args.as_gloo else "", args.world, args.init, len(results["passed"]), len(results["failed"]),
         len(results["skipped"]), len(names)))
     if args.json:
         import json
