@@ -12,7 +12,7 @@ FUZZ_SECONDS ?= 60
 FUZZ_TARGETS ?= store_request handshake message_header init_url cluster_env objects idx idx_example image s3_xml csv \
                 checkpoint pickle
 
-.PHONY: all deps configure build run test stress bench clean fuzz fuzz-build fuzz-ci sanitize ci-sanitize
+.PHONY: all deps configure build run test stress bench clean fuzz fuzz-build fuzz-ci sanitize ci-sanitize python-suite
 
 all: build
 
@@ -49,6 +49,11 @@ ACCELERATOR_ROW = accelerator example=env CHORUS_MALLOC_TUNING=0 {bin}/chorus ru
 bench: build
 	bench/compare-gloo
 	bench/compare-ddp --row '$(ACCELERATOR_ROW)'
+
+# PyTorch 1.13's whole distributed test suite on gloo, on chorus and on chorus in gloo's place, W=2
+# and 3, file:// and env:// (about 2 hours here; make test runs a subset). docs/python.md.
+python-suite: build
+	scripts/python-suite --build $(BUILD_DIR)
 
 $(FUZZ_BUILD_DIR)/build.ninja:
 	CC=clang CXX=clang++ cmake -S . -B $(FUZZ_BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
