@@ -163,13 +163,20 @@ class LaunchTest(unittest.TestCase):
 
     def test_python_scripts_on_gloo_and_on_chorus(self):
         # PyTorch's env:// store gets MASTER_PORT, chorus's own store CHORUS_STORE_PORT: an
-        # unchanged script's init_process_group finds no port taken (docs/python.md).
+        # unchanged script's init_process_group finds no port taken (docs/python.md). On backend
+        # chorus, its setup goes through chorus run's authenticated store: PyTorch's store holds only
+        # the 16-character name of the group's keys there.
         script = os.path.join(self.dir, "train.py")
         with open(script, "w") as f:
-            f.write("import sys, torch, torch.distributed as dist\n"
+            f.write("import datetime, sys, torch, torch.distributed as dist\n"
                     "if sys.argv[1] == 'chorus':\n"
                     "    import chorus\n"
                     "dist.init_process_group(sys.argv[1])\n"
+                    "if sys.argv[1] == 'chorus':\n"
+                    "    from torch.distributed.distributed_c10d import _get_default_store\n"
+                    "    store = dist.PrefixStore('0', _get_default_store())\n"
+                    "    store.set_timeout(datetime.timedelta(seconds=10))\n"
+                    "    print('setup through chorus run\\'s store: %s' % store.get('chorus/python/group').isalnum())\n"
                     "t = torch.ones(3) * (dist.get_rank() + 1)\n"
                     "dist.all_reduce(t)\n"
                     "print('rank %d of %d: %s' % (dist.get_rank(), dist.get_world_size(), t.tolist()), flush=True)\n"
@@ -182,6 +189,8 @@ class LaunchTest(unittest.TestCase):
             self.assertEqual(r.returncode, 0, (backend, r.stderr))
             for rank in range(3):
                 self.assertIn("rank %d of 3: [6.0, 6.0, 6.0]" % rank, r.stdout, backend)
+            if backend == "chorus":
+                self.assertEqual(r.stdout.count("setup through chorus run's store: True"), 3, r.stdout)
         # With the chorus package imported, a Python error's last line is the root cause chorus run
         # reports (python/chorus/__init__.py records it in CHORUS_ERROR_FILE).
         if "chorus" in backends:

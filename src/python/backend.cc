@@ -18,6 +18,11 @@
 
 #include <ATen/ATen.h>
 
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <condition_variable>
 #include <cstdlib>
@@ -30,6 +35,7 @@
 #include "chorus/comm/process_group.h"
 #include "chorus/comm/random.h"
 #include "chorus/comm/store.h"
+#include "chorus/comm/tcp_store.h"
 
 namespace chorus::python {
 namespace {
@@ -175,12 +181,74 @@ class ChorusWork final : public ::c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
+// Under `chorus run` (its store's address and the job token in the environment), chorus's setup
+// (addresses, shared-memory names) goes through the launcher's own store, which authenticates every
+// client with the token, instead of PyTorch's unauthenticated one. PyTorch's store carries only a
+// random name for this group's keys there, drawn by rank 0: a new one for every group and attempt.
+// Elsewhere: PyTorch's store, as given.
+std::shared_ptr<Store> authenticated_store(const std::shared_ptr<Store>& torch_store, int rank,
+                                           const std::string& token, std::chrono::milliseconds timeout,
+                                           std::string* local_address) {
+  const char* host = std::getenv("CHORUS_STORE_ADDR");
+  const char* port = std::getenv("CHORUS_STORE_PORT");
+  if (host == nullptr || *host == '\0' || port == nullptr || *port == '\0') return torch_store;
+  const std::string key = "chorus/python/group";
+  if (rank == 0) torch_store->set(key, random_token().substr(0, 16));
+  torch_store->wait({key}, timeout);
+  TcpStoreOptions so;
+  so.host = host;
+  try {
+    so.port = std::stoi(port);
+  } catch (const std::exception&) {
+    throw UsageError(std::string("chorus backend: CHORUS_STORE_PORT='") + port + "' is not a port number");
+  }
+  so.token = token;
+  so.timeout = timeout;
+  auto client = std::make_shared<TcpStore>(so);
+  *local_address = client->local_address();  // the interface that reaches the launcher's store
+  return std::make_shared<PrefixStore>("python/" + torch_store->get(key) + "/", client);
+}
+
+// The address of the interface this host would use to reach `host` (a UDP socket "connected" to
+// it sends nothing); "" if it does not resolve.
+std::string address_toward(const std::string& host) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host.c_str(), "9", &hints, &found) != 0 || found == nullptr) return "";
+  std::string out;
+  const int fd = ::socket(found->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  sockaddr_storage local{};
+  socklen_t len = sizeof(local);
+  if (fd >= 0 && ::connect(fd, found->ai_addr, found->ai_addrlen) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0) {
+    char text[INET6_ADDRSTRLEN] = {};
+    const void* a = local.ss_family == AF_INET6 ? static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr)
+                                                : static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(&local)->sin_addr);
+    if (::inet_ntop(local.ss_family, a, text, sizeof(text)) != nullptr) out = text;
+  }
+  if (fd >= 0) ::close(fd);
+  ::freeaddrinfo(found);
+  return out;
+}
+
+// The address peers reach this rank's TCP transport by: CHORUS_ADVERTISE_HOST when set; else the
+// interface that reaches chorus run's store; else the one that reaches MASTER_ADDR (env://); else
+// chorus's default (loopback: one host).
+std::string advertise_host(const std::string& toward_store) {
+  if (const char* a = std::getenv("CHORUS_ADVERTISE_HOST"); a != nullptr && *a != '\0') return a;
+  if (!toward_store.empty()) return toward_store;
+  if (const char* m = std::getenv("MASTER_ADDR"); m != nullptr && *m != '\0') return address_toward(m);
+  return "";
+}
+
 class ProcessGroupChorus final : public ::c10d::ProcessGroup {
  public:
   ProcessGroupChorus(const c10::intrusive_ptr<::c10d::Store>& store, int rank, int size,
                      std::chrono::milliseconds timeout)
       : ::c10d::ProcessGroup(rank, size) {
-    auto chorus_store = std::make_shared<TorchStore>(store);
+    std::shared_ptr<Store> chorus_store = std::make_shared<TorchStore>(store);
+    std::string toward_store;
     ProcessGroupOptions o;
     o.timeout = timeout;
     // The job token authenticates chorus's own connections: chorus run's (CHORUS_JOB_TOKEN), else
@@ -188,6 +256,7 @@ class ProcessGroupChorus final : public ::c10d::ProcessGroup {
     const char* token = std::getenv("CHORUS_JOB_TOKEN");
     if (token != nullptr && *token != '\0') {
       o.token = token;
+      chorus_store = authenticated_store(chorus_store, rank, o.token, timeout, &toward_store);
     } else {
       const std::string key = "chorus/python/token";
       if (rank == 0) chorus_store->set(key, random_token());
@@ -195,6 +264,7 @@ class ProcessGroupChorus final : public ::c10d::ProcessGroup {
       o.token = chorus_store->get(key);
     }
     if (const char* t = std::getenv("CHORUS_TRANSPORT"); t != nullptr && *t != '\0') o.transport = t;
+    o.advertise_host = advertise_host(toward_store);
     pg_ = std::make_unique<chorus::ProcessGroup>(chorus_store, rank, size, o);
     completer_ = std::thread([this] { complete_loop(); });
   }
