@@ -136,14 +136,94 @@ const at::Tensor& single(const std::vector<at::Tensor>& tensors, const char* op)
   return tensors[0];
 }
 
-// The Work PyTorch sees: done when its Future is. The Future completes on the group's completion
-// thread, with the output tensors or with chorus's error.
+class ChorusWork;
+
+// The Futures of one group, completed in issue order (the order chorus runs the operations in):
+// by the group's completion thread, or by a thread blocked in Work.wait on the operation at the
+// front, which then completes it itself (chorus's own Work::wait runs a next-in-line operation in
+// the waiting thread), saving the hand-offs between threads that a small synchronous call would
+// otherwise pay. Shared by the group and its Works, so that neither outlives it.
+class Completions {
+ public:
+  struct Pending {
+    c10::intrusive_ptr<ChorusWork> work;
+    std::vector<std::shared_ptr<Work>> inner;
+    std::vector<at::Tensor> keep;
+    std::function<void()> finish;
+  };
+
+  void push(std::shared_ptr<Pending> p) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      pending_.push_back(std::move(p));
+    }
+    cv_.notify_one();
+  }
+
+  // Completes the operation of `work` in this thread if it is at the front; false if it is not.
+  bool run_if_front(const ChorusWork* work) {
+    std::shared_ptr<Pending> p;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (pending_.empty() || pending_.front()->work.get() != work) return false;
+      p = std::move(pending_.front());
+      pending_.pop_front();
+    }
+    complete(*p);
+    return true;
+  }
+
+  // The completion thread: waits for the front operation without claiming it, then completes it
+  // unless a waiter did meanwhile.
+  void loop() {
+    for (;;) {
+      std::shared_ptr<Pending> p;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stopping_ || !pending_.empty(); });
+        if (pending_.empty()) return;
+        p = pending_.front();
+      }
+      try {
+        for (auto& w : p->inner) w->wait();
+      } catch (...) {
+        // complete() meets the same error again and reports it
+      }
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (pending_.empty() || pending_.front() != p) continue;  // a waiter completed it
+        pending_.pop_front();
+      }
+      complete(*p);
+    }
+  }
+
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  static void complete(Pending& p);
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<Pending>> pending_;
+  bool stopping_ = false;
+};
+
+// The Work PyTorch sees: done when its Future is. The Future completes, in issue order, with the
+// output tensors or with chorus's error (Completions).
 class ChorusWork final : public ::c10d::Work {
  public:
-  ChorusWork(::c10d::OpType type, std::vector<at::Tensor> outputs)
+  ChorusWork(::c10d::OpType type, std::vector<at::Tensor> outputs, std::shared_ptr<Completions> completions)
       : ::c10d::Work(-1, type),
         outputs_(std::move(outputs)),
-        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
+        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))),
+        completions_(std::move(completions)) {}
 
   bool isCompleted() override { return future_->completed(); }
   bool isSuccess() const override { return future_->completed() && !future_->hasError(); }
@@ -151,6 +231,7 @@ class ChorusWork final : public ::c10d::Work {
   std::vector<at::Tensor> result() override { return outputs_; }
   bool wait(std::chrono::milliseconds timeout) override {
     if (timeout == kNoTimeout) {
+      if (!future_->completed()) completions_->run_if_front(this);
       future_->wait();
     } else {
       const auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -179,7 +260,22 @@ class ChorusWork final : public ::c10d::Work {
  private:
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::shared_ptr<Completions> completions_;
 };
+
+void Completions::complete(Pending& p) {
+  std::exception_ptr error;
+  try {
+    for (auto& w : p.inner) w->wait();
+    if (p.finish) p.finish();
+  } catch (const std::exception& e) {
+    error = std::make_exception_ptr(std::runtime_error(e.what()));
+  } catch (...) {
+    error = std::current_exception();
+  }
+  p.keep.clear();
+  p.work->complete(error);
+}
 
 // Under `chorus run` (its store's address and the job token in the environment), chorus's setup
 // (addresses, shared-memory names) goes through the launcher's own store, which authenticates every
@@ -266,15 +362,11 @@ class ProcessGroupChorus final : public ::c10d::ProcessGroup {
     if (const char* t = std::getenv("CHORUS_TRANSPORT"); t != nullptr && *t != '\0') o.transport = t;
     o.advertise_host = advertise_host(toward_store);
     pg_ = std::make_unique<chorus::ProcessGroup>(chorus_store, rank, size, o);
-    completer_ = std::thread([this] { complete_loop(); });
+    completer_ = std::thread([c = completions_] { c->loop(); });
   }
 
   ~ProcessGroupChorus() override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stopping_ = true;
-    }
-    cv_.notify_all();
+    completions_->stop();
     if (completer_.joinable()) completer_.join();
     pg_->shutdown();
   }
@@ -533,13 +625,6 @@ class ProcessGroupChorus final : public ::c10d::ProcessGroup {
   }
 
  private:
-  struct Pending {
-    c10::intrusive_ptr<ChorusWork> work;
-    std::vector<std::shared_ptr<Work>> inner;
-    std::vector<at::Tensor> keep;
-    std::function<void()> finish;
-  };
-
   // `t`'s rows split by `splits` (one count per rank; empty: equal parts), as flat views.
   std::vector<at::Tensor> rows(const at::Tensor& t, const std::vector<int64_t>& splits, const char* which) const {
     const int64_t world = getSize();
@@ -642,45 +727,14 @@ class ProcessGroupChorus final : public ::c10d::ProcessGroup {
   c10::intrusive_ptr<::c10d::Work> submit(::c10d::OpType type, std::vector<at::Tensor> outputs,
                                          std::vector<std::shared_ptr<Work>> inner, std::vector<at::Tensor> keep = {},
                                          std::function<void()> finish = {}) {
-    auto work = c10::make_intrusive<ChorusWork>(type, std::move(outputs));
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      pending_.push_back(Pending{work, std::move(inner), std::move(keep), std::move(finish)});
-    }
-    cv_.notify_one();
+    auto work = c10::make_intrusive<ChorusWork>(type, std::move(outputs), completions_);
+    completions_->push(std::make_shared<Completions::Pending>(
+        Completions::Pending{work, std::move(inner), std::move(keep), std::move(finish)}));
     return work;
   }
 
-  // Completes the Futures in issue order (the order chorus runs the operations in).
-  void complete_loop() {
-    for (;;) {
-      Pending p;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stopping_ || !pending_.empty(); });
-        if (pending_.empty()) return;
-        p = std::move(pending_.front());
-        pending_.pop_front();
-      }
-      std::exception_ptr error;
-      try {
-        for (auto& w : p.inner) w->wait();
-        if (p.finish) p.finish();
-      } catch (const std::exception& e) {
-        error = std::make_exception_ptr(std::runtime_error(e.what()));
-      } catch (...) {
-        error = std::current_exception();
-      }
-      p.keep.clear();
-      p.work->complete(error);
-    }
-  }
-
   std::unique_ptr<chorus::ProcessGroup> pg_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<Pending> pending_;
-  bool stopping_ = false;
+  std::shared_ptr<Completions> completions_ = std::make_shared<Completions>();
   std::thread completer_;
 };
 

@@ -41,6 +41,7 @@ TOLERANCE = 1e-6
 FP16_TOLERANCE_W3 = 1e-4
 REFERENCE_TIMEOUT_S = 60
 REFERENCE_ATTEMPTS = 3
+CHORUS_TIMEOUT_S = 120  # a run takes about a second; this only bounds a hang
 
 
 class Net(torch.nn.Module):
@@ -121,12 +122,13 @@ def main():
                 for attempt in range(attempts):
                     init = "file://" + os.path.join(tmp, "%s-%d-%d" % (backend, world, attempt))
                     try:
-                        results[backend] = parity_util.run_forked(worker, world, backend, init,
-                                                                  timeout=REFERENCE_TIMEOUT_S)
+                        results[backend] = parity_util.run_forked(
+                            worker, world, backend, init,
+                            timeout=REFERENCE_TIMEOUT_S if backend == "gloo" else CHORUS_TIMEOUT_S)
                         break
                     except queue_module.Empty:
                         if backend == "chorus":
-                            problems.append("W=%d: chorus's ranks did not finish within %d s" % (world, REFERENCE_TIMEOUT_S))
+                            problems.append("W=%d: chorus's ranks did not finish within %d s" % (world, CHORUS_TIMEOUT_S))
                         else:
                             notes.append("W=%d: gloo's own ranks hung (attempt %d), killed and rerun" % (world, attempt + 1))
             if set(results) != {"gloo", "chorus"}:
