@@ -53,14 +53,25 @@ class TorchStore final : public Store {
   std::string compare_set(const std::string& key, const std::string& expected, const std::string& desired) override {
     return bytes_to_string(store_->compareSet(key, string_to_bytes(expected), string_to_bytes(desired)));
   }
+  // Polls check() instead of calling PyTorch's wait(): chorus waits in short slices (to notice a
+  // disagreeing or missing rank early), and a TCPStore wait that times out stays registered on the
+  // server, whose later "stop waiting" then answers another request of this client: PyTorch's
+  // "Stop_waiting response is expected", or a read that never returns. A check leaves nothing
+  // behind.
   void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) override {
-    try {
-      store_->wait(keys, timeout);
-    } catch (const std::exception& e) {
-      std::string names;
-      for (const auto& k : keys) names += (names.empty() ? "" : ", ") + k;
-      throw TimeoutError("chorus backend: waiting " + std::to_string(timeout.count()) + " ms for " + names +
-                         " in PyTorch's store: " + e.what());
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    auto pause = std::chrono::microseconds(200);
+    while (!store_->check(keys)) {
+      if (std::chrono::steady_clock::now() >= deadline) {
+        std::string names;
+        for (const auto& k : keys) names += (names.empty() ? "" : ", ") + k;
+        throw TimeoutError("chorus backend: waited " + std::to_string(timeout.count()) + " ms for " + names +
+                           " in PyTorch's store");
+      }
+      std::this_thread::sleep_for(std::min<std::chrono::microseconds>(
+          pause, std::chrono::duration_cast<std::chrono::microseconds>(deadline - std::chrono::steady_clock::now()) +
+                     std::chrono::microseconds(1)));
+      pause = std::min(pause * 2, std::chrono::microseconds(10000));
     }
   }
   bool check(const std::vector<std::string>& keys) override { return store_->check(keys); }
