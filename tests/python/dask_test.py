@@ -1,0 +1,235 @@
+#!/usr/bin/python3
+"""chorus.dask on a real Dask cluster on this machine (python3-distributed's LocalCluster: a
+scheduler and 2 worker processes on loopback), registered as python_dask_test:
+
+1. run(): 2 ranks per worker (W=4) train PyTorch's DDP on backend "chorus"; every rank returns its
+   environment's rank variables, its worker's address and its parameters: the placement is the one
+   asked for (ranks 0-1 on the first worker, 2-3 on the second), MASTER_ADDR is rank 0's worker
+   host, all four hold the same parameters, and they equal a single-process run of the same
+   averaged gradients (plain SGD, so the mean of the ranks' gradients gives them exactly).
+2. run() of a function that raises on rank 2: every future raises ChorusDaskError naming rank 2,
+   its worker and the message, within seconds, and no rank's process is left.
+3. Cancelling the futures of a job whose ranks sleep stops all of them within seconds.
+4. run_program(): a C++ chorus program (launch_probe: writes the variables it got, then allreduces
+   through chorus's C++ rendezvous) exits 0 on every rank; when its rank 1 throws, every future
+   names rank 1 and the exception's message (the rank's CHORUS_ERROR_FILE record).
+5. Results: rank 0's chorus.dask.log() scalars land on the client as a run directory (step and log
+   lines, summary.json) that `chorus report` (found beside LAUNCH_PROBE) turns into a page.
+Prints "OK: ..." and exits 0, else one line per problem and exits 1. usage: dask_test.py LAUNCH_PROBE
+"""
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+import chorus.dask
+from chorus.dask import ChorusDaskError
+
+
+def train(steps):
+    import torch
+    import torch.distributed as dist
+
+    import chorus  # noqa: F401
+    dist.init_process_group("chorus")
+    torch.manual_seed(0)
+    net = torch.nn.Linear(5, 3)
+    ddp = torch.nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    rank = dist.get_rank()
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step * 100 + rank)
+        opt.zero_grad()
+        ddp(torch.randn(4, 5, generator=g)).pow(2).mean().backward()
+        opt.step()
+    dist.destroy_process_group()
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+    return {"env": {k: os.environ[k] for k in keys}, "pid": os.getpid(), "ppid": os.getppid(),
+            "params": torch.cat([p.detach().reshape(-1) for p in net.parameters()]).tolist()}
+
+
+def reference(world, steps):
+    torch.manual_seed(0)
+    net = torch.nn.Linear(5, 3)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for step in range(steps):
+        grads = []
+        for rank in range(world):
+            g = torch.Generator().manual_seed(step * 100 + rank)
+            net.zero_grad()
+            net(torch.randn(4, 5, generator=g)).pow(2).mean().backward()
+            grads.append([p.grad.clone() for p in net.parameters()])
+        for p, *gs in zip(net.parameters(), *grads):
+            p.grad = sum(gs) / world
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()]).tolist()
+
+
+def fail_on_rank_2():
+    import os
+    import time
+    if os.environ["RANK"] == "2":
+        time.sleep(0.5)
+        raise ValueError("no shard for rank 2")
+    time.sleep(120)  # the others would wait long: they must be stopped
+
+
+def sleep_and_report(path):
+    import os
+    import time
+    with open(os.path.join(path, "pid-%s" % os.environ["RANK"]), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)
+
+
+def train_and_log(steps):
+    import time
+
+    import chorus.dask
+    for s in range(1, steps + 1):
+        chorus.dask.log(step=s, epoch=0, loss=1.0 / s, accuracy=0.5 + s / 100.0)
+        time.sleep(0.05)
+    return steps
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open("/proc/%d/stat" % pid) as f:
+        return f.read().split()[2] != "Z"
+
+
+def main():
+    from distributed import Client, LocalCluster
+
+    probe = sys.argv[1]
+    problems = []
+    notes = []
+    cluster = LocalCluster(n_workers=2, threads_per_worker=2, processes=True, host="127.0.0.1",
+                           dashboard_address=None)
+    client = Client(cluster)
+    try:
+        workers = sorted(client.scheduler_info()["workers"])
+        # 1. DDP across the workers
+        steps = 5
+        futures = chorus.dask.run(client, train, steps, nprocs_per_worker=2)
+        results = client.gather(futures)
+        placed = client.who_has(futures)
+        want = reference(4, steps)
+        for rank, r in enumerate(results):
+            if r["env"]["RANK"] != str(rank) or r["env"]["WORLD_SIZE"] != "4" or r["env"]["LOCAL_WORLD_SIZE"] != "2":
+                problems.append("rank %d's environment: %s" % (rank, r["env"]))
+            if r["env"]["LOCAL_RANK"] != str(rank % 2) or r["env"]["MASTER_ADDR"] != "127.0.0.1":
+                problems.append("rank %d's local rank or master: %s" % (rank, r["env"]))
+            holder = list(placed[futures[rank].key])
+            if holder != [workers[rank // 2]]:
+                problems.append("rank %d ran on %s, not %s" % (rank, holder, workers[rank // 2]))
+            if r["params"] != results[0]["params"]:
+                problems.append("rank %d's parameters differ from rank 0's" % rank)
+            if max(abs(a - b) for a, b in zip(r["params"], want)) > 1e-6:
+                problems.append("rank %d's parameters differ from the single-process reference" % rank)
+        if len({r["pid"] for r in results}) != 4:
+            problems.append("ranks shared a process: %s" % [r["pid"] for r in results])
+        notes.append("DDP at W=4 (2 per worker) equal to the reference")
+
+        # 2. a failing rank stops the job; every future names it
+        t0 = time.monotonic()
+        futures = chorus.dask.run(client, fail_on_rank_2, nprocs_per_worker=2)
+        messages = []
+        for f in futures:
+            try:
+                f.result(timeout=60)
+                messages.append("no error")
+            except ChorusDaskError as e:
+                messages.append(str(e))
+        took = time.monotonic() - t0
+        for rank, m in enumerate(messages):
+            if "rank 2 (worker %s" % workers[1] not in m or "ValueError: no shard for rank 2" not in m:
+                problems.append("rank %d's error does not name the root cause: %s" % (rank, m))
+        if took > 15:
+            problems.append("the failed job took %.1f s to stop (limit 15 s)" % took)
+        notes.append("a failing rank stopped the job in %.1f s" % took)
+
+        # 3. cancel
+        with tempfile.TemporaryDirectory(prefix="chorus-dask-test-") as tmp:
+            futures = chorus.dask.run(client, sleep_and_report, tmp, nprocs_per_worker=2)
+            deadline = time.monotonic() + 30
+            while len([n for n in os.listdir(tmp) if n.startswith("pid-")]) < 4 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            pids = []
+            for n in os.listdir(tmp):
+                with open(os.path.join(tmp, n)) as f:
+                    pids.append(int(f.read()))
+            if len(pids) != 4:
+                problems.append("only %d ranks started before the cancel" % len(pids))
+            t0 = time.monotonic()
+            client.cancel(futures)
+            while any(alive(p) for p in pids) and time.monotonic() - t0 < 20:
+                time.sleep(0.1)
+            left = [p for p in pids if alive(p)]
+            if left:
+                problems.append("ranks still running 20 s after the cancel: %s" % left)
+            notes.append("a cancel stopped every rank in %.1f s" % (time.monotonic() - t0))
+
+        # 5. results: rank 0's log() lines become a run directory on the client that chorus report reads
+        with tempfile.TemporaryDirectory(prefix="chorus-dask-test-") as tmp:
+            run_dir = os.path.join(tmp, "runs", "dask-job")
+            futures = chorus.dask.run(client, train_and_log, 8, results_dir=run_dir)
+            client.gather(futures)
+            if not chorus.dask.wait_results(futures, 60):
+                problems.append("results: the run directory was not complete 60 s after the job")
+            import json
+            with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+                records = [json.loads(line) for line in f]
+            steps = [r for r in records if r["type"] == "step"]
+            logs = [r for r in records if r["type"] == "log"]
+            if [r["step"] for r in steps] != list(range(1, 9)) or [r["loss"] for r in steps] != [1.0 / s for s in range(1, 9)]:
+                problems.append("results: step lines %s" % steps)
+            if [r["accuracy"] for r in logs] != [0.5 + s / 100.0 for s in range(1, 9)]:
+                problems.append("results: log lines %s" % logs)
+            with open(os.path.join(run_dir, "summary.json")) as f:
+                summary = json.load(f)
+            if summary["status"] != "finished" or summary["steps"] != 8:
+                problems.append("results: summary %s" % summary)
+            report = os.path.join(os.path.dirname(probe), "chorus")
+            if os.path.exists(report):
+                import subprocess
+                r = subprocess.run([report, "report", run_dir, "-o", os.path.join(tmp, "page")],
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+                if r.returncode != 0 or not os.path.exists(os.path.join(tmp, "page", "index.html")):
+                    problems.append("results: chorus report failed: %s" % r.stdout[-500:])
+        notes.append("rank 0's scalars became a run directory that chorus report draws")
+
+        # 4. a C++ chorus program per rank: launch_probe's "env" mode writes the variables it got,
+        # then allreduces through chorus's C++ rendezvous; "throw" makes rank 1 throw.
+        with tempfile.TemporaryDirectory(prefix="chorus-dask-test-") as tmp:
+            codes = client.gather(chorus.dask.run_program(client, [probe, "env", tmp]))
+            files = sorted(os.listdir(tmp))
+            if codes != [0, 0] or files != ["rank_0.env", "rank_1.env"]:
+                problems.append("run_program: exit codes %s, files %s" % (codes, files))
+        messages = []
+        for f in chorus.dask.run_program(client, [probe, "throw", "bad batch"]):
+            try:
+                f.result(timeout=60)
+                messages.append("no error")
+            except ChorusDaskError as e:
+                messages.append(str(e))
+        for rank, m in enumerate(messages):
+            if "rank 1 (worker %s" % workers[1] not in m or "bad batch" not in m:
+                problems.append("run_program: rank %d's error does not name rank 1's exception: %s" % (rank, m))
+        notes.append("run_program ran a chorus C++ program per worker and named its exception")
+    finally:
+        client.close()
+        cluster.close()
+    for p in problems:
+        print(p)
+    print("%s: %s" % ("MISMATCH" if problems else "OK", "; ".join(notes)))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
