@@ -108,6 +108,22 @@ TEST(ClusterEnvTest, ChorusRunVariables) {
   EXPECT_EQ(d.local_world_size, -1);
 }
 
+// Ray Train starts each rank itself with torchrun's variables and its own NODE_RANK (and no
+// launcher): the "env" source. A Ray worker's environment, node 1 of 2 with 2 ranks each.
+TEST(ClusterEnvTest, RayTrainWorkerVariables) {
+  const Environment env = {{"RANK", "3"},        {"LOCAL_RANK", "1"},        {"WORLD_SIZE", "4"},
+                           {"LOCAL_WORLD_SIZE", "2"}, {"NODE_RANK", "1"},  {"MASTER_ADDR", "10.0.0.5"},
+                           {"MASTER_PORT", "41233"},  {"RAY_NODE_IP", "10.0.0.6"}};
+  const ClusterEnv c = resolve_cluster_env(env);
+  EXPECT_EQ(c.source, "env");
+  EXPECT_EQ(c.rank, 3);
+  EXPECT_EQ(c.world_size, 4);
+  EXPECT_EQ(c.local_rank, 1);
+  EXPECT_EQ(c.local_world_size, 2);
+  EXPECT_EQ(c.master_addr, "10.0.0.5");
+  EXPECT_EQ(c.master_port, 41233);
+}
+
 TEST(ClusterEnvTest, ChorusRunNamesEachMissingVariable) {
   expect_usage_error({}, {"needs WORLD_SIZE", "chorus run, srun or mpirun"});
   Environment env = {{"WORLD_SIZE", "2"}};

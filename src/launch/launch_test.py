@@ -347,15 +347,17 @@ class LaunchTest(unittest.TestCase):
         self.assertNotEqual(r.returncode, 0)
         self.assertIn("chmod 600", r.stderr)
 
-    def run_launchers(self, cmds, stagger=0.0):
-        """Runs the launchers side by side (`stagger` s apart); each must exit 0. Their (stdout, stderr)."""
+    def run_launchers(self, cmds, stagger=0.0, envs=None):
+        """Runs the launchers side by side (`stagger` s apart), launcher i with environment envs[i]
+        when given; each must exit 0. Their (stdout, stderr)."""
         procs = []
         outs = []
         try:
-            for cmd in cmds:
+            for i, cmd in enumerate(cmds):
                 if procs:
                     time.sleep(stagger)
-                procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                              env=envs[i] if envs else None))
             for p in procs:
                 outs.append(p.communicate(timeout=60))
         finally:
@@ -388,6 +390,29 @@ class LaunchTest(unittest.TestCase):
         self.assertEqual([ranks[r]["GROUP_RANK"] for r in range(4)], ["0", "0", "1", "1"])
         self.assertEqual({ranks[r]["WORLD_SIZE"] for r in range(4)}, {"4"})
         self.assertEqual([ranks[r]["LOCAL_RANK"] for r in range(4)], ["0", "1", "0", "1"])
+
+    def test_kubeflow_pet_variables_and_a_jobset_index_configure_the_launcher(self):
+        # Kubeflow's trainer configures torchrun through PET_ variables in each pod; they are chorus
+        # run's defaults as they are torchrun's. A JobSet's pod has JOB_COMPLETION_INDEX instead of
+        # a node rank: in a job of several nodes, that is its node rank.
+        port = free_port()
+        base = dict(os.environ, PET_NNODES="2", PET_NPROC_PER_NODE="2", PET_MASTER_ADDR="127.0.0.1",
+                    PET_MASTER_PORT=str(port), CHORUS_JOB_TOKEN="pet-secret")
+        cmd = [ARGS.chorus, "run", ARGS.probe, "env", self.dir]
+        self.run_launchers([cmd, cmd], envs=[dict(base, PET_NODE_RANK="0"), dict(base, JOB_COMPLETION_INDEX="1")])
+        ranks = self.rank_environments(4)
+        self.assertEqual([ranks[r]["GROUP_RANK"] for r in range(4)], ["0", "0", "1", "1"])
+        self.assertEqual({ranks[r]["WORLD_SIZE"] for r in range(4)}, {"4"})
+        # A flag wins over its variable; a one-node job keeps node rank 0 whatever its pod's index.
+        one = os.path.join(self.dir, "one")
+        os.mkdir(one)
+        r = run([ARGS.chorus, "run", "-n", "1", ARGS.probe, "env", one],
+                env=dict(os.environ, PET_NPROC_PER_NODE="3", JOB_COMPLETION_INDEX="5"))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(sorted(os.listdir(one)), ["rank_0.env"])
+        r = run([ARGS.chorus, "run", ARGS.probe, "env", one], env=dict(os.environ, PET_MAX_RESTARTS="x"))
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("PET_MAX_RESTARTS", r.stderr + r.stdout)
 
     def test_an_elastic_job_forms_from_the_launchers_that_come(self):
         # Two launchers on this machine with --nnodes 1:2: the first to listen on the endpoint

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <memory>
 #include <string>
@@ -69,28 +70,40 @@ std::vector<std::string> split_program(const std::vector<std::string>& args, con
   return out;
 }
 
-// `chorus run`'s options, into *launch, *standalone and *nnodes (N or MIN:MAX, parsed later).
+// `chorus run`'s options, into *launch, *standalone and *nnodes (N or MIN:MAX, parsed later). As
+// torchrun's, each flag's default comes from its PET_ variable (PET_NNODES for --nnodes, ...), which
+// is how Kubeflow's trainer and training operator configure the launcher in a pod
+// (docs/launch-env.md).
 CLI::App* add_run_command(CLI::App& app, chorus::launch::LaunchOptions* launch, bool* standalone, std::string* nnodes) {
   CLI::App* run = app.add_subcommand("run", "start a job's workers on this node (like torchrun)");
   run->prefix_command();  // everything from PROGRAM on belongs to the program
   run->formatter(std::make_shared<RunFormatter>());
   run->add_option("-n,--nproc-per-node,--nproc_per_node", launch->nproc_per_node,
                   "workers on this node: a number or 'auto' (one per core)")
+      ->envname("PET_NPROC_PER_NODE")
       ->capture_default_str();
   run->add_option("--nnodes", *nnodes,
                   "number of nodes, or MIN:MAX for an elastic job that re-forms when nodes leave or join "
                   "(docs/elastic.md)")
+      ->envname("PET_NNODES")
       ->capture_default_str();
-  run->add_option("--node-rank,--node_rank", launch->node_rank, "this node's rank in [0, nnodes)")->capture_default_str();
+  run->add_option("--node-rank,--node_rank", launch->node_rank,
+                  "this node's rank in [0, nnodes) (default also from JOB_COMPLETION_INDEX: a JobSet or indexed Job)")
+      ->envname("PET_NODE_RANK")
+      ->capture_default_str();
   run->add_option("--rdzv-endpoint,--rdzv_endpoint", launch->rdzv_endpoint,
                   "HOST:PORT of node 0's rendezvous store (default with one node: a local store on a port the "
-                  "kernel picks)");
-  run->add_option("--master-addr,--master_addr", launch->master_addr, "node 0's address (with --master-port)");
-  run->add_option("--master-port,--master_port", launch->master_port, "node 0's store port, in [1, 65535]");
+                  "kernel picks)")
+      ->envname("PET_RDZV_ENDPOINT");
+  run->add_option("--master-addr,--master_addr", launch->master_addr, "node 0's address (with --master-port)")
+      ->envname("PET_MASTER_ADDR");
+  run->add_option("--master-port,--master_port", launch->master_port, "node 0's store port, in [1, 65535]")
+      ->envname("PET_MASTER_PORT");
   run->add_flag("--standalone", *standalone,
                 "one node with a local store on a free port (torchrun's spelling; also the default with one node)");
   run->add_option("--max-restarts,--max_restarts", launch->max_restarts,
                   "restart the whole group this many times after a failure")
+      ->envname("PET_MAX_RESTARTS")
       ->capture_default_str();
   run->add_option("--log-dir,--log_dir", launch->log_dir,
                   "write one log per rank here (rank_N.log); rank 0's output also stays on the terminal");
@@ -152,6 +165,14 @@ int parse(CLI::App& app, const std::vector<std::string>& args, int argc, char** 
                    app.help().c_str());
     } else {
       app.exit(e);
+      // A value that came from the environment is otherwise a mystery in that message.
+      for (const char* name : {"PET_NPROC_PER_NODE", "PET_NNODES", "PET_NODE_RANK", "PET_RDZV_ENDPOINT",
+                               "PET_MASTER_ADDR", "PET_MASTER_PORT", "PET_MAX_RESTARTS"}) {
+        if (const char* v = std::getenv(name); v != nullptr) {
+          std::fprintf(stderr, "note: %s=%s is set: chorus run takes PET_ variables as its flags' defaults, as torchrun does\n",
+                       name, v);
+        }
+      }
     }
     return kUsageExit;
   }
@@ -216,6 +237,21 @@ int main(int argc, char** argv) {
     if (run->parsed()) {
       launch.program = program.empty() ? run->remaining() : program;
       chorus::launch::parse_nnodes(nnodes, &launch);
+      // A JobSet's (or any indexed Job's) pod knows its index: in a job of several nodes it is the
+      // node rank, unless given. (Elastic jobs number their nodes themselves; a one-node job in an
+      // indexed Job, a sweep say, keeps node rank 0.)
+      if (launch.nnodes > 1 && launch.max_nodes == 0 && run->count("--node-rank") == 0 &&
+          std::getenv("PET_NODE_RANK") == nullptr) {
+        if (const char* index = std::getenv("JOB_COMPLETION_INDEX"); index != nullptr && *index != '\0') {
+          char* end = nullptr;
+          const long value = std::strtol(index, &end, 10);
+          if (*end != '\0' || value < 0 || value > (1 << 20)) {
+            throw chorus::UsageError(std::string("chorus run: JOB_COMPLETION_INDEX='") + index +
+                                     "' is not a node rank; pass --node-rank");
+          }
+          launch.node_rank = static_cast<int>(value);
+        }
+      }
       if (standalone && (launch.nnodes != 1 || launch.max_nodes > 0 || !launch.rdzv_endpoint.empty() || !launch.master_addr.empty())) {
         throw chorus::UsageError("chorus run: --standalone is one node with a local store; drop it, or drop "
                                  "--nnodes/--rdzv-endpoint/--master-addr");
