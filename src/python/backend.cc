@@ -378,7 +378,17 @@ class ProcessGroupChorus final : public ::c10d::ProcessGroup {
 
   ~ProcessGroupChorus() override {
     completions_->stop();
-    if (completer_.joinable()) completer_.join();
+    if (completer_.joinable()) {
+      // Python drops the group holding the GIL; the completion thread may need it to release the
+      // last tensors of an operation (a tensor with a Python object frees it under the GIL).
+      // Joining with the GIL held deadlocked (about once in 200 groups); release it for the join.
+      if (Py_IsInitialized() && PyGILState_Check()) {
+        pybind11::gil_scoped_release no_gil;
+        completer_.join();
+      } else {
+        completer_.join();
+      }
+    }
     pg_->shutdown();
   }
 
