@@ -79,7 +79,7 @@ class LaunchTest(unittest.TestCase):
         self.assertIn("root cause: rank 1", r.stderr)
         self.assertIn("SIGABRT", r.stderr)
         self.assertIn("message: bad batch at step 7", r.stderr)
-        self.assertIn("[rank 1]", r.stdout)
+        self.assertIn("[rank1]:", r.stdout)
 
     def test_report_names_the_first_own_error_not_a_relayed_one(self):
         # Rank 1 fails on its own error; rank 0 then fails because rank 1 is gone; rank 2 has
@@ -238,7 +238,7 @@ class LaunchTest(unittest.TestCase):
         show = ["/bin/sh", "-c", "grep Cpus_allowed_list /proc/self/status"]
         r = self.chorus("-n", "2", "--bind-cpu", "--tee", "--", *show)
         self.assertEqual(r.returncode, 0, r.stderr)
-        cpus = dict(re.findall(r"\[rank (\d)\] Cpus_allowed_list:\s*(\S+)", r.stdout))
+        cpus = dict(re.findall(r"\[rank(\d)\]:Cpus_allowed_list:\s*(\S+)", r.stdout))
         self.assertEqual(sorted(cpus), ["0", "1"], r.stdout)
         self.assertNotEqual(cpus["0"], cpus["1"])
         for cpu in cpus.values():
@@ -253,10 +253,32 @@ class LaunchTest(unittest.TestCase):
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertIn("rank 0 of 2: allreduce gave 2", r.stdout)
         self.assertNotIn("rank 1 of 2", r.stdout)
-        self.assertNotIn("[rank 0]", r.stdout)  # no prefixes without --tee
+        self.assertNotIn("[rank0]:", r.stdout)  # no prefixes without --tee
         for rank in range(2):
             with open(os.path.join(logs, "rank_%d.log" % rank)) as f:
                 self.assertIn("rank %d of 2: allreduce gave 2" % rank, f.read())
+
+    def test_ranks_filter_shows_the_chosen_ranks_prefixed_and_logs_every_rank(self):
+        logs = os.path.join(self.dir, "logs")
+        r = self.chorus("-n", "3", "--ranks-filter", "0,2", "--log-dir", logs, ARGS.probe, "env", self.dir)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        lines = r.stdout.splitlines()
+        self.assertIn("[rank0]:rank 0 of 3: allreduce gave 3", lines)
+        self.assertIn("[rank2]:rank 2 of 3: allreduce gave 3", lines)
+        self.assertNotIn("rank 1 of 3", r.stdout)
+        for line in lines:  # nothing a worker printed reaches the terminal without its rank
+            self.assertRegex(line, r"^\[rank[02]\]:")
+        for rank in range(3):
+            with open(os.path.join(logs, "rank_%d.log" % rank)) as f:
+                text = f.read()
+            self.assertIn("rank %d of 3: allreduce gave 3\n" % rank, text)
+            self.assertNotIn("[rank", text)  # logs keep the lines as the program wrote them
+
+    def test_local_ranks_filter_without_log_dir_says_the_rest_is_discarded(self):
+        r = self.chorus("-n", "3", "--local-ranks-filter", "1", ARGS.probe, "env", self.dir)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stdout.splitlines(), ["[rank1]:rank 1 of 3: allreduce gave 3"])
+        self.assertIn("add --log-dir DIR to keep every rank's", r.stderr)
 
     def test_scratch_directories_of_killed_launchers_are_removed(self):
         def scratch(pid):
@@ -317,6 +339,9 @@ class LaunchTest(unittest.TestCase):
             (["--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-last-call", "-1", ARGS.probe],
              "--rdzv-last-call"),
             (["--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:1", ARGS.probe], "needs a job secret"),
+            (["--ranks-filter", "2-1", ARGS.probe], "--ranks-filter '2-1'"),
+            (["--local-ranks-filter", "x", ARGS.probe], "--local-ranks-filter 'x'"),
+            (["--ranks-filter", "0", "--local-ranks-filter", "0", ARGS.probe], "not both"),
         ]
         for args, needle in cases:
             r = self.chorus(*args)

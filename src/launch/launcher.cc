@@ -71,6 +71,7 @@ using detail::RoundPlan;
 using detail::ErrorRecord;
 using detail::host_name;
 using detail::make_scratch_dir;
+using detail::output_for;
 using detail::kForwardedSignals;
 using detail::pump_output;
 using detail::read_error_record;
@@ -233,6 +234,10 @@ class Agent {
       fs::create_directories(o_.log_dir, ec);
       if (ec) throw UsageError("chorus run: cannot create --log-dir " + o_.log_dir + ": " + ec.message());
     }
+    if ((!o_.ranks_filter.empty() || !o_.local_ranks_filter.empty()) && o_.log_dir.empty()) {
+      std::fprintf(stderr, "chorus run: the output of ranks the filter leaves out is discarded; "
+                           "add --log-dir DIR to keep every rank's\n");
+    }
     scratch_ = make_scratch_dir();
   }
 
@@ -388,7 +393,6 @@ class Agent {
     how.program_path = program_path_;
     how.argv = o_.program;
     how.env = worker_environment(w, attempt);
-    how.tee = o_.tee;
     how.bind_cpu = o_.bind_cpu;
     how.local_world = nproc_;
     ::unlink(w.error_file.c_str());
@@ -402,6 +406,7 @@ class Agent {
       w.rank = offset_ + i;
       w.error_file = scratch_ + "/error_rank" + std::to_string(w.rank) + ".json";
       if (!o_.log_dir.empty()) w.log_path = o_.log_dir + "/rank_" + std::to_string(w.rank) + ".log";
+      w.output = output_for(o_, w.rank, w.local_rank);
     }
     return ws;
   }

@@ -150,7 +150,49 @@ CheckedOptions check_options(const LaunchOptions& o) {
     throw UsageError("chorus run: --nnodes " + std::to_string(o.nnodes) +
                      " needs --rdzv-endpoint HOST:PORT (node 0's address and a free port)");
   }
+  if (!o.ranks_filter.empty() && !o.local_ranks_filter.empty()) {
+    throw UsageError("chorus run: give --ranks-filter or --local-ranks-filter, not both");
+  }
+  if (!o.ranks_filter.empty()) parse_rank_list(o.ranks_filter, "--ranks-filter");
+  if (!o.local_ranks_filter.empty()) parse_rank_list(o.local_ranks_filter, "--local-ranks-filter");
   return c;
+}
+
+std::set<int> parse_rank_list(const std::string& text, const char* option) {
+  auto bad = [&](const std::string& why) {
+    return UsageError(std::string("chorus run: ") + option + " '" + text + "': " + why +
+                      "; expected ranks and ranges such as 0 or 0,2-3");
+  };
+  auto number = [&](const std::string& s) {
+    if (s.empty() || s.size() > 7 || s.find_first_not_of("0123456789") != std::string::npos) {
+      throw bad("'" + s + "' is not a rank");
+    }
+    return std::stoi(s);
+  };
+  std::set<int> ranks;
+  std::stringstream parts(text);
+  for (std::string part; std::getline(parts, part, ',');) {
+    const size_t dash = part.find('-');
+    const int first = number(part.substr(0, dash));
+    const int last = dash == std::string::npos ? first : number(part.substr(dash + 1));
+    if (last < first) throw bad("the range " + part + " runs backwards");
+    if (last - first > kMaxProcsPerNode * 1024) throw bad("the range " + part + " is too long");
+    for (int r = first; r <= last; ++r) ranks.insert(r);
+  }
+  if (ranks.empty() || text.back() == ',') throw bad("no ranks");
+  return ranks;
+}
+
+Output output_for(const LaunchOptions& o, int rank, int local_rank) {
+  if (!o.ranks_filter.empty()) {
+    return parse_rank_list(o.ranks_filter, "--ranks-filter").count(rank) ? Output::kPrefixed : Output::kLogOnly;
+  }
+  if (!o.local_ranks_filter.empty()) {
+    return parse_rank_list(o.local_ranks_filter, "--local-ranks-filter").count(local_rank) ? Output::kPrefixed
+                                                                                           : Output::kLogOnly;
+  }
+  if (o.tee) return Output::kPrefixed;
+  return rank == 0 || o.log_dir.empty() ? Output::kTerminal : Output::kLogOnly;
 }
 
 std::string make_scratch_dir() {

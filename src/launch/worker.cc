@@ -22,7 +22,9 @@ namespace chorus::launch::detail {
 namespace {
 
 void emit(Worker& w, const std::string& line) {
-  std::string out = (w.prefix ? "[rank " + std::to_string(w.rank) + "] " : std::string()) + line + "\n";
+  // torchrun's prefix, so what filters its logs filters ours.
+  std::string out =
+      (w.output == Output::kPrefixed ? "[rank" + std::to_string(w.rank) + "]:" : std::string()) + line + "\n";
   std::fwrite(out.data(), 1, out.size(), stdout);
   std::fflush(stdout);
   if (w.log) *w.log << line << "\n" << std::flush;
@@ -77,10 +79,9 @@ ErrorRecord read_error_record(const std::string& path) {
 }
 
 void start_worker(Worker& w, const WorkerLaunch& how) {
-  // Output the launcher reads: every rank's with --tee; rank 0's with --log-dir alone, so the
-  // terminal still shows the job (and its log gets a copy).
-  const bool piped = how.tee || (w.rank == 0 && !w.log_path.empty());
-  w.prefix = how.tee;
+  // Output the launcher reads: prefixed ranks' (--tee, --ranks-filter), and with --log-dir rank 0's,
+  // so the terminal still shows the job (and its log gets a copy).
+  const bool piped = w.output == Output::kPrefixed || (w.output == Output::kTerminal && !w.log_path.empty());
   int pipefd[2] = {-1, -1};
   if (piped && ::pipe2(pipefd, O_CLOEXEC) != 0) throw Error(std::string("chorus run: pipe: ") + std::strerror(errno));
   const int cpu = how.bind_cpu ? cpu_for_local_rank(w.local_rank, how.local_world) : -1;
@@ -102,8 +103,10 @@ void start_worker(Worker& w, const WorkerLaunch& how) {
     if (piped) {
       ::dup2(pipefd[1], 1);
       ::dup2(pipefd[1], 2);
-    } else if (!w.log_path.empty()) {
-      int fd = ::open(w.log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    } else if (w.output == Output::kLogOnly) {
+      // Without --log-dir, a rank a filter leaves out writes nowhere (chorus run said so at start).
+      const char* path = w.log_path.empty() ? "/dev/null" : w.log_path.c_str();
+      int fd = ::open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
       if (fd >= 0) {
         ::dup2(fd, 1);
         ::dup2(fd, 2);

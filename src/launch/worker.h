@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "options.h"
+
 namespace chorus::launch::detail {
 
 using Clock = std::chrono::steady_clock;
@@ -37,10 +39,10 @@ struct Worker {
   int rank = 0;
   pid_t pid = -1;
   int pidfd = -1;
-  int out_fd = -1;  // read end of the output pipe (--tee, or rank 0 with --log-dir)
+  Output output = Output::kTerminal;  // output_for(): the terminal, prefixed through the launcher, or the log
+  int out_fd = -1;  // read end of the output pipe (Output::kPrefixed, or kTerminal with --log-dir)
   std::string partial;
   std::unique_ptr<std::ofstream> log;  // output read through out_fd also goes here (with --log-dir)
-  bool prefix = false;                 // output lines get "[rank N] " (with --tee)
   bool exited = false;
   int status = 0;
   Clock::time_point exit_seen;  // when the launcher reaped it
@@ -54,16 +56,15 @@ struct WorkerLaunch {
   std::string program_path;       // as resolved on PATH
   std::vector<std::string> argv;  // argv[0] as the user wrote it
   std::vector<std::string> env;   // NAME=VALUE: the whole environment of the worker
-  bool tee = false;               // every rank's output through the launcher, lines prefixed "[rank N] "
   bool bind_cpu = false;          // pin the worker to the local_rank-th CPU this process may use
   int local_world = 1;            // workers on this node (with bind_cpu: more than CPUs means no pinning)
 };
 
-// Forks and execs w's program; sets w.pid, w.pidfd and, when its output is piped, w.out_fd (and
-// w.log with --log-dir). Throws Error when the pipe or the fork fails; a failed exec is the
+// Forks and execs w's program, its output sent as w.output says; sets w.pid, w.pidfd and, when its
+// output is piped, w.out_fd (and w.log with --log-dir). Throws Error when the pipe or the fork fails; a failed exec is the
 // worker's exit code 127.
 void start_worker(Worker& w, const WorkerLaunch& how);
-// Copies a worker's output to ours, a line at a time (prefixed "[rank N] " with --tee).
+// Copies a worker's output to ours, a line at a time (prefixed "[rankN]:" for Output::kPrefixed).
 void pump_output(Worker& w, bool flush_partial);
 // "exit code 7", "killed by SIGKILL", "finished normally (exit code 0)", ...
 std::string how_it_ended(const Worker& w);

@@ -110,7 +110,11 @@ CLI::App* add_run_command(CLI::App& app, chorus::launch::LaunchOptions* launch, 
   run->add_flag("--bind-cpu,--bind_cpu", launch->bind_cpu,
                 "pin local rank r to the r-th CPU this launcher may run on (when the node's ranks fit its CPUs)");
   run->add_flag("--tee", launch->tee,
-                "show every rank's output, each line prefixed [rank N] (and log it with --log-dir)");
+                "show every rank's output, each line prefixed [rankN]: (and log it with --log-dir)");
+  run->add_option("--ranks-filter,--ranks_filter", launch->ranks_filter,
+                  "show only these ranks' output, prefixed [rankN]: (e.g. 0 or 0,2-3); --log-dir keeps every rank's");
+  run->add_option("--local-ranks-filter,--local_ranks_filter", launch->local_ranks_filter,
+                  "the same by local rank (torchrun's spelling)");
   run->add_option("--grace-period", launch->grace_period_s,
                   "seconds between SIGTERM and SIGKILL when stopping workers, in [0, 3600]")
       ->capture_default_str();

@@ -40,7 +40,9 @@ struct LaunchOptions {
   int master_port = -1;              // ... and port, in [1, 65535] (-1: none)
   int max_restarts = 0;
   std::string log_dir;               // one log per rank: <log_dir>/rank_<N>.log; rank 0 stays on the terminal too
-  bool tee = false;                  // every rank's output, each line prefixed "[rank N] " (and logged)
+  bool tee = false;                  // every rank's output, each line prefixed "[rankN]:" (and logged)
+  std::string ranks_filter;          // "0,2-3": only these ranks' output on the terminal, prefixed "[rankN]:"
+  std::string local_ranks_filter;    // the same by local rank (torchrun's --local-ranks-filter)
   bool bind_cpu = false;             // pin local rank r to the r-th CPU the launcher may run on (when they fit)
   double grace_period_s = 5.0;       // SIGTERM to SIGKILL, finite, in [0, 3600]
   double rdzv_timeout_s = 60.0;      // waiting for the store and for the other nodes, finite, > 0
