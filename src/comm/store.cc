@@ -1,34 +1,18 @@
 // Pieces shared by the Store implementations: how keys appear in error messages, the wording of a
 // wait that timed out, and the integer values that add() keeps. Declared in store_internal.h.
-#include <cctype>
 #include <charconv>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "chorus/comm/error.h"
 #include "socket.h"
 #include "store_internal.h"
 
 namespace chorus::detail {
 
 // Keys are arbitrary bytes: show printable ones as they are, escape the rest, cut long ones.
-std::string format_key(const std::string& key) {
-  constexpr size_t kShown = 96;
-  std::string out;
-  for (size_t i = 0; i < key.size() && i < kShown; ++i) {
-    unsigned char c = static_cast<unsigned char>(key[i]);
-    if (std::isprint(c) && c != '\\') {
-      out.push_back(static_cast<char>(c));
-    } else {
-      static const char kHex[] = "0123456789abcdef";
-      out += "\\x";
-      out.push_back(kHex[c >> 4]);
-      out.push_back(kHex[c & 15]);
-    }
-  }
-  if (key.size() > kShown) out += "...(" + std::to_string(key.size()) + " bytes)";
-  return out;
-}
+std::string format_key(const std::string& key) { return printable(key); }
 
 // "a, b, c" with at most 16 keys shown.
 std::string join_keys(const std::vector<std::string>& keys) {

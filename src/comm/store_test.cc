@@ -110,6 +110,20 @@ TYPED_TEST(StoreConformance, SetThenGetReturnsTheLatestValue) {
   EXPECT_EQ(other->get(std::string("key\0with nul", 12)), binary);
 }
 
+// Outside bytes in messages: printable ASCII and well-formed UTF-8 kept, the rest escaped, cut long.
+TEST(Printable, EscapesWhatATerminalWouldInterpretAndCutsLongText) {
+  EXPECT_EQ(printable("plain text, 1-2"), "plain text, 1-2");
+  EXPECT_EQ(printable("a\\b"), "a\\\\b");
+  EXPECT_EQ(printable(std::string("\x1b[2J\0\n\x7f", 7)), "\\x1b[2J\\x00\\x0a\\x7f");
+  EXPECT_EQ(printable("caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80"), "caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80");
+  EXPECT_EQ(printable("\xc3"), "\\xc3");                      // cut short
+  EXPECT_EQ(printable("\xc0\xaf"), "\\xc0\\xaf");            // overlong '/'
+  EXPECT_EQ(printable("\xed\xa0\x80"), "\\xed\\xa0\\x80");  // a surrogate
+  EXPECT_EQ(printable("\xc2\x85"), "\\xc2\\x85");            // a C1 control (NEL)
+  EXPECT_EQ(printable(std::string(100, 'k'), 10), "kkkkkkkkkk...(100 bytes)");
+  EXPECT_EQ(printable("ab\xc3\xa9", 3), "ab\\xc3...(4 bytes)");  // a sequence is never split
+}
+
 TYPED_TEST(StoreConformance, GetTimesOutNamingTheKey) {
   auto store = this->open(kShortTimeout);
   const auto start = Clock::now();

@@ -66,7 +66,7 @@ std::vector<CsvRecord> parse_csv(const std::string& text, const std::string& whe
         if (i < n && text[i] != ',' && text[i] != '\n' && !(text[i] == '\r' && i + 1 < n && text[i + 1] == '\n') &&
             !(text[i] == '\r' && i + 1 == n)) {
           throw DataError(position(where, line, static_cast<int64_t>(i - line_start + 1)) + ": unexpected '" +
-                          std::string(1, text[i]) + "' after the closing quote of a field");
+                          printable(std::string(1, text[i])) + "' after the closing quote of a field");
         }
       } else {
         while (i < n && text[i] != ',' && text[i] != '\n' && !(text[i] == '\r' && (i + 1 == n || text[i + 1] == '\n'))) {
@@ -100,12 +100,17 @@ ImageDataset make_csv_dataset_from_text(const std::string& text, const std::stri
   if (records.empty()) throw DataError(where + ": the CSV is empty; it needs a header row and one row per item");
   const auto& header = records.front().fields;
   std::string found;
-  for (size_t c = 0; c < header.size(); ++c) found += (c ? ", " : "") + ("'" + header[c] + "'");
+  // The header as a message shows it: escaped (it may be any bytes), at most 32 columns.
+  constexpr size_t kColumnsShown = 32;
+  for (size_t c = 0; c < header.size() && c < kColumnsShown; ++c) {
+    found += (c ? ", " : "") + ("'" + printable(header[c], 64) + "'");
+  }
+  if (header.size() > kColumnsShown) found += ", ... (" + std::to_string(header.size()) + " columns)";
   auto column = [&](const std::string& name, const char* role) {
     for (size_t c = 0; c < header.size(); ++c) {
       if (header[c] == name) return c;
     }
-    throw DataError(where + ": no column '" + name + "' (the " + role + " column) in the header; the columns are " +
+    throw DataError(where + ": no column '" + printable(name) + "' (the " + role + " column) in the header; the columns are " +
                     found);
   };
   const size_t path_col = column(options.path_column, "path");
@@ -128,7 +133,7 @@ ImageDataset make_csv_dataset_from_text(const std::string& text, const std::stri
     s.key = rec.fields[path_col];
     if (s.key.empty()) {
       throw DataError(position(where, rec.line, static_cast<int64_t>(path_col) + 1) + ": empty path in column '" +
-                      options.path_column + "'");
+                      printable(options.path_column) + "'");
     }
     for (size_t c : label_cols) {
       const std::string& v = rec.fields[c];
@@ -136,8 +141,8 @@ ImageDataset make_csv_dataset_from_text(const std::string& text, const std::stri
       const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), value);
       const bool integer = ec == std::errc() && end == v.data() + v.size() && !v.empty();
       if (multi ? !(integer && (value == 0 || value == 1)) : !(integer && value >= 0)) {
-        throw DataError(position(where, rec.line, static_cast<int64_t>(c) + 1) + ": bad label value '" + v +
-                        "' in column '" + header[c] + "': expected " +
+        throw DataError(position(where, rec.line, static_cast<int64_t>(c) + 1) + ": bad label value '" + printable(v) +
+                        "' in column '" + printable(header[c]) + "': expected " +
                         (multi ? "0 or 1 (one of several label columns: multi-label)" : "a class index (an integer >= 0)"));
       }
       if (multi) {

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <set>
 
 #include "chorus/data/csv_dataset.h"
@@ -264,6 +265,37 @@ TEST(Csv, Errors) {
   EXPECT_NE(error_of([&] { make_csv_dataset(tmp.path + "/none.csv", some_source(tmp), pgm_decoder()); })
                 .find(tmp.path + "/none.csv: cannot open"),
             std::string::npos);
+}
+
+// A file that is not a CSV at all (random bytes, as a wrong path gives): the message escapes what
+// it quotes, so no control code or invalid UTF-8 reaches the terminal, and it stays short.
+TEST(Csv, ErrorsNeverEchoRawBytes) {
+  TempDir tmp;
+  std::mt19937 rng(7);
+  std::string junk(4096, '\0');
+  for (auto& c : junk) c = static_cast<char>(rng() & 0xff);
+  const std::string message =
+      error_of([&] { make_csv_dataset_from_text(junk, "j.csv", some_source(tmp), pgm_decoder(), {}); });
+  ASSERT_NE(message.find("j.csv"), std::string::npos) << message;
+  // No control byte, and every non-ASCII byte part of a well-formed UTF-8 sequence of a printable
+  // code point (random bytes do form some: they are shown as the characters they are).
+  for (size_t i = 0; i < message.size();) {
+    const unsigned char c = static_cast<unsigned char>(message[i]);
+    ASSERT_FALSE(c < 0x20 || c == 0x7f) << "byte " << int(c) << " at " << i << " in: " << message;
+    const size_t n = c < 0x80 ? 1 : c >= 0xc2 && c <= 0xdf ? 2 : c >= 0xe0 && c <= 0xef ? 3 : c >= 0xf0 && c <= 0xf4 ? 4 : 0;
+    ASSERT_GT(n, 0u) << "byte " << int(c) << " at " << i << " in: " << message;
+    ASSERT_FALSE(c == 0xc2 && i + 1 < message.size() && static_cast<unsigned char>(message[i + 1]) < 0xa0)
+        << "a C1 control at " << i;
+    for (size_t k = 1; k < n; ++k) {
+      ASSERT_LT(i + k, message.size());
+      ASSERT_EQ(static_cast<unsigned char>(message[i + k]) & 0xc0, 0x80) << "at " << i + k << " in: " << message;
+    }
+    i += n;
+  }
+  EXPECT_LT(message.size(), 4096u);
+  const std::string header = std::string("path,la\x1b[2Jbel,caf\xc3\xa9,\xff\xfe\n") + "a.jpg,1,2,3\n";
+  const std::string shown = error_of([&] { make_csv_dataset_from_text(header, "h.csv", some_source(tmp), pgm_decoder(), {}); });
+  EXPECT_NE(shown.find("'path', 'la\\x1b[2Jbel', 'caf\xc3\xa9', '\\xff\\xfe'"), std::string::npos) << shown;
 }
 
 TEST(Csv, MissingImageIsAnErrorOfThatItemWhenRead) {

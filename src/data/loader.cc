@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <condition_variable>
@@ -96,6 +97,13 @@ struct LoaderEngine::Shared {
   // Stacks a batch whose items are all decoded (outside `mutex`: the thread that decoded the last
   // item owns them), releases the items and hands the batch to take().
   void finish(Batch& b);
+  // The storage failed on item `position` of `b` (a SourceError: every later read would fail the
+  // same way, so its other items are not waited for): `b` is ready with that error at once, and
+  // the batches submitted after it that are not ready yet get an error naming it; their items
+  // still queued are dropped, so no thread spends a retry budget on them. Items already being read
+  // finish on their threads and are thrown away. Called under `mutex`; the caller notifies
+  // batch_done.
+  void fail_fast(Batch& b, size_t position, const std::string& error);
 };
 
 namespace {
@@ -241,6 +249,30 @@ at::Tensor LoaderEngine::Shared::decode(Batch& b, size_t position, bool* in_buff
   return data;
 }
 
+void LoaderEngine::Shared::fail_fast(Batch& b, size_t position, const std::string& error) {
+  const std::string name = "ParallelLoader: batch " + std::to_string(b.number) + " of epoch " + std::to_string(b.epoch);
+  b.error = name + ", item " + std::to_string(position) + " (dataset index " + std::to_string(b.indices[position]) +
+            "): " + error;
+  b.error_is_source = true;
+  b.ready = true;
+  b.cancelled = true;
+  bool after = false;
+  for (auto& later : batches) {
+    if (later.get() == &b) {
+      after = true;
+      continue;
+    }
+    if (!after || later->ready) continue;
+    later->error = "ParallelLoader: batch " + std::to_string(later->number) + " of epoch " +
+                   std::to_string(later->epoch) + " was not read: the storage failed on an earlier batch: " + b.error;
+    later->error_is_source = true;
+    later->ready = true;
+    later->cancelled = true;
+  }
+  items.erase(std::remove_if(items.begin(), items.end(), [](const Item& i) { return i.batch->cancelled.load(); }),
+              items.end());
+}
+
 void LoaderEngine::Shared::finish(Batch& b) {
   std::string failure;
   bool failure_is_source = false;
@@ -331,14 +363,20 @@ void LoaderEngine::work() {
       error = e.what();
     }
     bool last = false;
+    bool failed_now = false;
     {
       std::lock_guard<std::mutex> lock(s.mutex);
+      if (source_failed && !b.ready && !b.cancelled) {
+        s.fail_fast(b, item.position, error);
+        failed_now = true;
+      }
       b.data[item.position] = std::move(data);
       b.in_buffer[item.position] = in_buffer && error.empty();
       b.errors[item.position] = std::move(error);
       b.source_failed[item.position] = source_failed;
       last = --b.pending == 0;
     }
+    if (failed_now) s.batch_done.notify_all();
     if (!last || b.cancelled) continue;
     s.finish(b);  // this thread finished the batch: stack it and release the items
   }

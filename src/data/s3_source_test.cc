@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <set>
 #include <thread>
 
@@ -321,6 +322,66 @@ TEST(S3SourceServer, KilledMidEpochFailsTheLoopEvenWithSkipBad) {
   EXPECT_NE(error.find(std::string("s3://") + kBucket + "/train/"), std::string::npos) << error;
   EXPECT_NE(error.find("is the server running"), std::string::npos) << error;
   EXPECT_LT(took, 15s);
+}
+
+// The timing: at batch 64 with 8 threads, a server frozen (SIGSTOP) or killed mid-epoch
+// reaches the loop within one item's retry budget (S3Options::deadline) plus a second, not after
+// every item of the batch has spent its own (64 / 8 rounds of it: 16 s here).
+TEST(S3SourceServer, AFrozenOrKilledServerReachesTheLoopWithinOneItemsBudget) {
+  for (const bool freeze : {true, false}) {
+    SCOPED_TRACE(freeze ? "frozen" : "killed");
+    S3rver server;
+    Tree tree;
+    {
+      S3Client admin(server.options());
+      for (int copy = 0; copy < 16; ++copy) tree.upload(admin, "train/" + std::to_string(copy) + "/");
+    }
+    S3Options o = server.options();
+    o.max_attempts = 3;
+    o.deadline = 2000ms;
+    o.request_timeout = 700ms;
+    o.connect_timeout = 700ms;
+    auto s3 = make_s3_image_folder(std::string("s3://") + kBucket + "/train/", decoder(), o);
+    ASSERT_EQ(s3.size(), 384u);
+    LoaderOptions lo;
+    lo.batch_size = 64;
+    lo.threads = 8;
+    lo.prefetch_batches = 2;
+    std::string error;
+    int batches = 0;
+    Clock::time_point fault, caught, closed;
+    {
+      auto loader = one_rank_loader(s3, lo);
+      try {
+        for (auto& batch : loader) {
+          (void)batch;
+          if (++batches == 1) {
+            fault = Clock::now();
+            if (freeze) {
+              server.child->freeze();
+            } else {
+              server.child->kill();
+            }
+          }
+        }
+      } catch (const SourceError& e) {
+        caught = Clock::now();
+        error = e.what();
+      }
+    }
+    closed = Clock::now();  // the loader's threads have finished the reads they were in
+    server.child->kill();
+    ASSERT_FALSE(error.empty()) << "the loop ran " << batches << " batches without an error";
+    EXPECT_LT(batches, 6);
+    const auto to_error = std::chrono::duration<double>(caught - fault).count();
+    const auto to_closed = std::chrono::duration<double>(closed - fault).count();
+    std::printf("%s server: the error reached the loop %.2f s after the fault (budget %.1f s); loader closed "
+                "after %.2f s\n", freeze ? "frozen" : "killed", to_error, o.deadline.count() / 1000.0, to_closed);
+    EXPECT_LT(to_error, o.deadline.count() / 1000.0 + 1.0) << error;
+    EXPECT_LT(to_closed, 2 * o.deadline.count() / 1000.0 + 1.0);
+    EXPECT_NE(error.find(server.endpoint), std::string::npos) << error;
+    EXPECT_NE(error.find("ParallelLoader: batch "), std::string::npos) << error;
+  }
 }
 
 // `chorus data upload DIR s3://...` copies a tree that then reads back as the same dataset.

@@ -83,6 +83,10 @@ class Child {
       pid_ = -1;
     }
   }
+  // SIGSTOP: the server stops answering, while the kernel still accepts its connections.
+  void freeze() {
+    if (pid_ > 0) ::kill(pid_, SIGSTOP);
+  }
   // Reads stdout until "PORT <n>"; -1 if it does not come within the timeout.
   int wait_for_port(std::chrono::milliseconds timeout) {
     auto until = Clock::now() + timeout;

@@ -5,6 +5,7 @@
 // fix. Catch chorus::Error to handle them all.
 #pragma once
 
+#include <cstddef>
 #include <stdexcept>
 #include <string>
 
@@ -44,5 +45,11 @@ class UsageError : public Error {
  public:
   using Error::Error;
 };
+
+// Bytes from outside (a file's contents, a store key) as they may appear in a message: printable
+// ASCII and well-formed UTF-8 as they are, a backslash as "\\", any other byte as "\xNN"; more
+// than max_shown bytes are cut, with "...(N bytes)" after. A message never carries a terminal's
+// control codes or invalid UTF-8 from data.
+std::string printable(const std::string& bytes, size_t max_shown = 96);
 
 }  // namespace chorus

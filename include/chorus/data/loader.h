@@ -46,7 +46,11 @@
 //   whose items all fail is still an error (an empty batch has no shape, and dropping it would give
 //   ranks different step counts). Items of different shapes make their batch fail the same way.
 //   A failure of the storage itself (SourceError from the ByteSource: an S3 endpoint down, access
-//   denied) is never skipped: its batch fails with a SourceError, whatever skip_bad says.
+//   denied) is never skipped: its batch fails with a SourceError, whatever skip_bad says, as soon as
+//   the first of its items fails (within one item's retry budget of the fault, not after every item
+//   has spent its own), and the batches prefetched after it fail with a SourceError naming it
+//   without being read. Items already being read when that happens finish on their threads and
+//   are dropped.
 #pragma once
 
 #include <ATen/core/Tensor.h>
