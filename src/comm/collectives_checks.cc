@@ -11,6 +11,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "reduce.h"
@@ -267,6 +268,38 @@ void point_to_point_objects_subgroups(ProcessGroup& pg_ref) {
     pg->send(out.data(), out.size(), DataType::kInt64, next, 1)->wait();
     pg->recv(in.data(), in.size(), DataType::kInt64, prev, 1)->wait();
     if (in.front() != prev || in.back() != prev) throw std::runtime_error("send-send exchange gave wrong data");
+  }
+  // Batches (hold_p2p): every rank posts its recvs before its sends, a small message from the
+  // previous rank and a large one from the next, then waits on its last send first. Run one at a
+  // time, each rank's first recv would wait on a peer that is itself waiting in its first recv.
+  // Released three ways: by that wait, by release_p2p, and by the next collective.
+  if (w > 1) {
+    const int next = (rank + 1) % w, prev = (rank - 1 + w) % w;
+    for (int how = 0; how < 3; ++how) {
+      std::vector<int32_t> small_out(10, rank + 100 * how), small_in(10, -1);
+      std::vector<int64_t> big_out(1 << 20, rank + 100 * how), big_in(1 << 20, -1);  // 8 MiB
+      pg->hold_p2p();
+      auto r1 = pg->recv(small_in.data(), small_in.size(), DataType::kInt32, prev, 3);
+      auto r2 = pg->recv(big_in.data(), big_in.size(), DataType::kInt64, next, 4);
+      // A slow caller (Python between two calls): without the hold the recvs would start alone.
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      auto s1 = pg->send(small_out.data(), small_out.size(), DataType::kInt32, next, 3);
+      auto s2 = pg->send(big_out.data(), big_out.size(), DataType::kInt64, prev, 4);
+      if (how == 1) pg->release_p2p();
+      if (how == 2) {
+        int64_t one = 1;
+        pg->allreduce(&one, 1, DataType::kInt64)->wait();
+        if (one != w) throw std::runtime_error("allreduce after a held batch gave " + std::to_string(one));
+      }
+      s2->wait();
+      r2->wait();
+      s1->wait();
+      r1->wait();
+      if (small_in.front() != prev + 100 * how || small_in.back() != prev + 100 * how ||
+          big_in.front() != next + 100 * how || big_in.back() != next + 100 * how) {
+        throw std::runtime_error("a held batch of sends and recvs gave wrong data (round " + std::to_string(how) + ")");
+      }
+    }
   }
   // Objects: rank i contributes i copies of 'a' + i (rank 0 an empty string).
   auto w1 = pg->all_gather_object(std::string(static_cast<size_t>(rank), static_cast<char>('a' + rank)));

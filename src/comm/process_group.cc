@@ -24,9 +24,15 @@ using transport::make_error;
 
 }  // namespace
 
+std::exception_ptr ProcessGroup::Impl::not_run(const std::string& what) const {
+  return make_error(broken_class, me() + ": " + what + " not run: the process group is broken since an earlier "
+                                                       "operation failed: " + broken_msg);
+}
+
 std::shared_ptr<Work> ProcessGroup::Impl::enqueue(wire::OpType op, DataType dtype, ReduceOp rop, uint64_t count,
                                                   int64_t arg, std::function<void(WorkImpl&, const wire::Call&)> run,
-                                                  int p2p_peer) {
+                                                  int p2p_peer,
+                                                  std::function<transport::Ticket(const wire::Call&)> post) {
   std::unique_lock<std::mutex> lock(mu);
   if (stopping) throw UsageError(me() + ": " + wire::op_name(op) + " called on a process group that was shut down");
   wire::Call call;
@@ -44,15 +50,89 @@ std::shared_ptr<Work> ProcessGroup::Impl::enqueue(wire::OpType op, DataType dtyp
   }
   auto work = std::make_shared<WorkImpl>("rank " + std::to_string(rank) + ": " + wire::describe(call), this);
   if (broken.load(std::memory_order_acquire)) {
-    work->finish(make_error(broken_class, me() + ": " + wire::describe(call) +
-                                              " not run: the process group is broken since an earlier "
-                                              "operation failed: " + broken_msg));
+    work->finish(not_run(wire::describe(call)));
     return work;
   }
-  queue.push_back(Task{work, call, std::move(run)});
+  const bool p2p = op == wire::OpType::kSend || op == wire::OpType::kRecv;
+  if (!p2p) release_locked();  // a collective runs after the held run: let that go first
+  Task task;
+  task.work = work;
+  task.call = call;
+  task.run = std::move(run);
+  task.post = std::move(post);
+  task.held = p2p && holding;
+  if (task.held) any_held.store(true, std::memory_order_release);
+  queue.push_back(std::move(task));
   lock.unlock();
   cv.notify_one();
   return work;
+}
+
+std::shared_ptr<Work> ProcessGroup::Impl::enqueue_p2p(wire::OpType op, DataType dtype, uint64_t count, int64_t tag,
+                                                      int peer, std::function<transport::Ticket(const wire::Call&)> post) {
+  return enqueue(op, dtype, ReduceOp::kSum, count, tag, nullptr, peer, std::move(post));
+}
+
+void ProcessGroup::Impl::release_locked() {
+  holding = false;
+  if (!any_held.exchange(false, std::memory_order_acq_rel)) return;
+  for (auto& t : queue) t.held = false;
+}
+
+void ProcessGroup::Impl::release_held(const WorkImpl* work) {
+  if (!any_held.load(std::memory_order_acquire)) return;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    const bool waited_for = work == nullptr || std::any_of(queue.begin(), queue.end(), [&](const Task& t) {
+      return t.held && t.work.get() == work;
+    });
+    if (!waited_for) return;
+    release_locked();
+  }
+  cv.notify_all();
+}
+
+std::vector<Task> ProcessGroup::Impl::take_next() {
+  std::vector<Task> run;
+  if (!front_runnable()) return run;
+  const auto is_p2p = [](const Task& t) { return static_cast<bool>(t.post); };
+  run.push_back(std::move(queue.front()));
+  queue.pop_front();
+  if (!is_p2p(run.front())) return run;
+  while (front_runnable() && is_p2p(queue.front())) {
+    run.push_back(std::move(queue.front()));
+    queue.pop_front();
+  }
+  return run;
+}
+
+void ProcessGroup::Impl::execute_all(std::vector<Task>& tasks) {
+  if (tasks.size() == 1 && !tasks.front().post) {
+    execute(tasks.front());
+  } else {
+    execute_p2p(tasks);
+  }
+}
+
+void ProcessGroup::Impl::execute_p2p(std::vector<Task>& run) {
+  if (broken.load(std::memory_order_acquire)) {
+    for (auto& t : run) {
+      t.work->finish(not_run(wire::describe(t.call)));
+    }
+    return;
+  }
+  try {
+    for (auto& t : run) t.work->started();
+    // One deadline for the run; the transport names the first operation in its errors, and every
+    // message carries its own call, so a mismatch still names the pair that disagrees.
+    transport->begin(run.front().call, net::deadline_after(opts.timeout));
+    for (auto& t : run) t.post(t.call);
+    transport->wait_all();
+    for (auto& t : run) t.work->finish(nullptr);
+  } catch (const std::exception& e) {
+    break_group(e);
+    for (auto& t : run) t.work->finish(std::current_exception());
+  }
 }
 
 std::shared_ptr<Work> ProcessGroup::Impl::enqueue_local(std::string what, std::function<void()> fn) {
@@ -60,10 +140,10 @@ std::shared_ptr<Work> ProcessGroup::Impl::enqueue_local(std::string what, std::f
   if (stopping) throw UsageError(me() + ": " + what + " called on a process group that was shut down");
   auto work = std::make_shared<WorkImpl>("rank " + std::to_string(rank) + ": " + what, this);
   if (broken.load(std::memory_order_acquire)) {
-    work->finish(make_error(broken_class, me() + ": " + what + " not run: the process group is broken since an "
-                                                               "earlier operation failed: " + broken_msg));
+    work->finish(not_run(what));
     return work;
   }
+  release_locked();  // it runs after any held sends and recvs: let them go first
   Task task;
   task.work = work;
   task.call.op = wire::OpType::kBarrier;  // not sent: local tasks never reach the transport
@@ -75,16 +155,21 @@ std::shared_ptr<Work> ProcessGroup::Impl::enqueue_local(std::string what, std::f
   return work;
 }
 
+void ProcessGroup::Impl::break_group(const std::exception& e) {
+  const uint8_t cls = error_class_of(e);
+  broken_msg = e.what();
+  broken_class = cls;
+  broken.store(true, std::memory_order_release);
+  transport->abort(e.what(), cls);
+}
+
 void ProcessGroup::Impl::execute(Task& task) {
   if (task.local && broken.load(std::memory_order_acquire)) {
-    task.work->finish(make_error(broken_class, me() + ": a local step not run: the process group is broken since "
-                                                   "an earlier operation failed: " + broken_msg));
+    task.work->finish(not_run("a local step"));
     return;
   }
   if (broken.load(std::memory_order_acquire)) {
-    task.work->finish(make_error(broken_class, me() + ": " + wire::describe(task.call) +
-                                                   " not run: the process group is broken since an "
-                                                   "earlier operation failed: " + broken_msg));
+    task.work->finish(not_run(wire::describe(task.call)));
     return;
   }
   try {
@@ -93,23 +178,29 @@ void ProcessGroup::Impl::execute(Task& task) {
     task.run(*task.work, task.call);
     task.work->finish(nullptr);
   } catch (const std::exception& e) {
-    uint8_t cls = error_class_of(e);
-    broken_msg = e.what();
-    broken_class = cls;
-    broken.store(true, std::memory_order_release);
-    transport->abort(e.what(), cls);
+    break_group(e);
     task.work->finish(std::current_exception());
   }
 }
 
 bool ProcessGroup::Impl::run_inline(const WorkImpl* work) {
   std::unique_lock<std::mutex> lock(mu);
-  if (running || queue.empty() || queue.front().work.get() != work) return false;
-  Task task = std::move(queue.front());
-  queue.pop_front();
+  if (running || !front_runnable()) return false;
+  // The waited-for operation must be next: the front task, or one of the run of sends and recvs
+  // that starts there (they run together).
+  bool next = false;
+  for (const auto& t : queue) {
+    if (t.work.get() == work) {
+      next = true;
+      break;
+    }
+    if (!t.post || t.held || !queue.front().post) break;
+  }
+  if (!next) return false;
+  std::vector<Task> tasks = take_next();
   running = true;
   lock.unlock();
-  execute(task);
+  execute_all(tasks);
   lock.lock();
   running = false;
   lock.unlock();
@@ -120,16 +211,16 @@ bool ProcessGroup::Impl::run_inline(const WorkImpl* work) {
 
 void ProcessGroup::Impl::loop() {
   for (;;) {
-    Task task;
+    std::vector<Task> tasks;
     {
       std::unique_lock<std::mutex> lock(mu);
-      cv.wait(lock, [&] { return (stopping && !running) || (!queue.empty() && !running); });
+      cv.wait(lock, [&] { return (stopping && !running) || (front_runnable() && !running); });
+      if (stopping && !running) release_locked();  // shutdown finishes held work too
       if (queue.empty()) return;
-      task = std::move(queue.front());
-      queue.pop_front();
+      tasks = take_next();
       running = true;
     }
-    execute(task);
+    execute_all(tasks);
     {
       std::lock_guard<std::mutex> lock(mu);
       running = false;
@@ -343,6 +434,19 @@ std::shared_ptr<ProcessGroup> ProcessGroup::Impl::adopt(std::unique_ptr<transpor
 }
 
 ProcessGroup::~ProcessGroup() { shutdown(); }
+
+void ProcessGroup::hold_p2p() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->holding = true;
+}
+
+void ProcessGroup::release_p2p() {
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->release_locked();
+  }
+  impl_->cv.notify_all();
+}
 
 void ProcessGroup::shutdown() {
   Impl& m = *impl_;

@@ -33,6 +33,9 @@ class InlineRunner {
  public:
   virtual ~InlineRunner() = default;
   virtual bool run_inline(const WorkImpl* work) = 0;
+  // Lets held point-to-point operations run (ProcessGroup::hold_p2p) when `work` is one of them
+  // (a wait on it would never end otherwise); a no-op else.
+  virtual void release_held(const WorkImpl* work) = 0;
   // Threads blocked in Work::wait on this group. While there are some, the caller's core is idle
   // and transports may busy-poll; while there are none, the caller computes (DDP's backward) and
   // a polling transport would take the core it needs, so transports sleep instead.
@@ -68,6 +71,7 @@ class WorkImpl final : public Work {
       return;
     }
     WaiterScope scope(runner_);
+    if (runner_ != nullptr) runner_->release_held(this);  // a held send or recv waited for would never start
     // A waiter whose operation is next in line runs it itself: no hand-off to the worker and
     // back, which is most of a small collective's latency. Issue order is unchanged.
     if (runner_ != nullptr) runner_->run_inline(this);
@@ -127,6 +131,10 @@ struct Task {
   wire::Call call;
   std::function<void(WorkImpl&, const wire::Call&)> run;
   bool local = false;  // ProcessGroup::run_local: no wire call, nothing to begin on the transport
+  // Sends and recvs: posts the message on the transport without waiting (run is then unused), so
+  // that a run of them can be posted together and waited for at once.
+  std::function<transport::Ticket(const wire::Call&)> post;
+  bool held = false;  // queued under hold_p2p and not released yet: not started
 };
 
 }  // namespace detail
@@ -146,6 +154,8 @@ struct ProcessGroup::Impl final : detail::InlineRunner {
   std::deque<detail::Task> queue;
   bool stopping = false;
   bool running = false;  // an operation is executing (on the worker or inline)
+  bool holding = false;  // hold_p2p: sends and recvs enqueued now are held
+  std::atomic<bool> any_held{false};  // some queued task is held (read without mu by release_held)
   uint64_t seq = 0;
   std::vector<uint64_t> send_seq, recv_seq;
   int next_group_id = 0;
@@ -157,6 +167,10 @@ struct ProcessGroup::Impl final : detail::InlineRunner {
   uint8_t broken_class = transport::kErrOther;
 
   std::string me() const { return "chorus: rank " + std::to_string(rank); }
+  // The error of an operation `what` not run because the group broke earlier (broken_msg).
+  std::exception_ptr not_run(const std::string& what) const;
+  // An operation failed with e: the group is broken from now on, and the peers are told.
+  void break_group(const std::exception& e);
 
   void check_root(int root, const char* op) const {
     if (root < 0 || root >= size) {
@@ -176,11 +190,25 @@ struct ProcessGroup::Impl final : detail::InlineRunner {
   void start(ProcessGroup* pg, std::unique_ptr<transport::Transport> t);
 
   std::shared_ptr<Work> enqueue(wire::OpType op, DataType dtype, ReduceOp rop, uint64_t count, int64_t arg,
-                                std::function<void(detail::WorkImpl&, const wire::Call&)> run, int p2p_peer = -1);
+                                std::function<void(detail::WorkImpl&, const wire::Call&)> run, int p2p_peer = -1,
+                                std::function<transport::Ticket(const wire::Call&)> post = nullptr);
+  // A send or recv: queued like an operation, with `post` in place of run (Task::post).
+  std::shared_ptr<Work> enqueue_p2p(wire::OpType op, DataType dtype, uint64_t count, int64_t tag, int peer,
+                                    std::function<transport::Ticket(const wire::Call&)> post);
   // A run_local step: queued like an operation, without a sequence number or a wire call.
   std::shared_ptr<Work> enqueue_local(std::string what, std::function<void()> fn);
+  // The tasks to run next, under mu: the front one, with the run of sends and recvs behind it
+  // when it is one (released ones only); empty when the front is held or the queue empty.
+  std::vector<detail::Task> take_next();
+  bool front_runnable() const { return !queue.empty() && !queue.front().held; }
+  // Clears every task's hold, under mu.
+  void release_locked();
   void execute(detail::Task& task);
+  // A run of sends and recvs: all posted, then all waited for; one failure fails them all.
+  void execute_p2p(std::vector<detail::Task>& run);
+  void execute_all(std::vector<detail::Task>& tasks);
   bool run_inline(const detail::WorkImpl* work) override;
+  void release_held(const detail::WorkImpl* work) override;
   // The worker thread: runs the queued operations in order until shutdown.
   void loop();
 };

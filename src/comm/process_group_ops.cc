@@ -157,11 +157,9 @@ std::shared_ptr<Work> ProcessGroup::send(const void* data, size_t count, DataTyp
                      std::to_string(m.size));
   }
   const size_t bytes = count * element_size(dtype);
-  return m.enqueue(OpType::kSend, dtype, ReduceOp::kSum, count, tag,
-                   [&m, data, bytes, dst](WorkImpl&, const Call& c) {
-                     m.transport->send(dst, wire::make_header(c, bytes), data, bytes);
-                     m.transport->wait_all();
-                   }, dst);
+  return m.enqueue_p2p(OpType::kSend, dtype, count, tag, dst, [&m, data, bytes, dst](const Call& c) {
+    return m.transport->send(dst, wire::make_header(c, bytes), data, bytes);
+  });
 }
 
 std::shared_ptr<Work> ProcessGroup::recv(void* data, size_t count, DataType dtype, int src, int tag) {
@@ -172,10 +170,9 @@ std::shared_ptr<Work> ProcessGroup::recv(void* data, size_t count, DataType dtyp
                      std::to_string(m.size));
   }
   const size_t bytes = count * element_size(dtype);
-  return m.enqueue(OpType::kRecv, dtype, ReduceOp::kSum, count, tag,
-                   [&m, data, bytes, src](WorkImpl&, const Call& c) {
-                     m.transport->wait(m.transport->recv(src, c, data, bytes));
-                   }, src);
+  return m.enqueue_p2p(OpType::kRecv, dtype, count, tag, src, [&m, data, bytes, src](const Call& c) {
+    return m.transport->recv(src, c, data, bytes);
+  });
 }
 
 namespace {

@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cstdlib>
 #include <deque>
@@ -161,7 +162,30 @@ class Completions {
     std::vector<std::shared_ptr<Work>> inner;
     std::vector<at::Tensor> keep;
     std::function<void()> finish;
+    bool p2p = false;  // a send or recv: may be held (hold())
   };
+
+  // Point-to-point batches (chorus::ProcessGroup::hold_p2p): sends and recvs issued after hold()
+  // wait in the group's queue, and this thread does not wait on them either, until release():
+  // on a wait, poll or future of any of this group's Works, on its next collective, or at stop.
+  // Then the run of them starts together, so ranks that each post their recvs first (PyTorch's
+  // batch_isend_irecv) do not wait on each other.
+  void hold(chorus::ProcessGroup* pg) {
+    std::lock_guard<std::mutex> lock(mu_);
+    held_ = true;
+    held_group_ = pg;
+    pg->hold_p2p();
+  }
+  void release() {
+    if (!held_.load(std::memory_order_acquire)) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!held_) return;
+      held_ = false;
+      if (held_group_ != nullptr) held_group_->release_p2p();
+    }
+    cv_.notify_all();
+  }
 
   void push(std::shared_ptr<Pending> p) {
     {
@@ -191,7 +215,7 @@ class Completions {
       std::shared_ptr<Pending> p;
       {
         std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return stopping_ || !pending_.empty(); });
+        cv_.wait(lock, [&] { return stopping_ || (!pending_.empty() && !(held_ && pending_.front()->p2p)); });
         if (pending_.empty()) return;
         p = pending_.front();
       }
@@ -210,8 +234,10 @@ class Completions {
   }
 
   void stop() {
+    release();
     {
       std::lock_guard<std::mutex> lock(mu_);
+      held_group_ = nullptr;  // Works may outlive the group; hold() is not called after stop
       stopping_ = true;
     }
     cv_.notify_all();
@@ -224,6 +250,8 @@ class Completions {
   std::condition_variable cv_;
   std::deque<std::shared_ptr<Pending>> pending_;
   bool stopping_ = false;
+  std::atomic<bool> held_{false};
+  chorus::ProcessGroup* held_group_ = nullptr;  // the group hold() was called for (set again by each call)
 };
 
 // The Work PyTorch sees: done when its Future is. The Future completes, in issue order, with the
@@ -236,11 +264,15 @@ class ChorusWork final : public ::c10d::Work {
         future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))),
         completions_(std::move(completions)) {}
 
-  bool isCompleted() override { return future_->completed(); }
+  bool isCompleted() override {
+    completions_->release();  // a poll loop on a held send would otherwise spin forever
+    return future_->completed();
+  }
   bool isSuccess() const override { return future_->completed() && !future_->hasError(); }
   std::exception_ptr exception() const override { return future_->hasError() ? future_->exception_ptr() : nullptr; }
   std::vector<at::Tensor> result() override { return outputs_; }
   bool wait(std::chrono::milliseconds timeout) override {
+    completions_->release();
     if (timeout == kNoTimeout) {
       if (!future_->completed()) completions_->run_if_front(this);
       future_->wait();
@@ -258,7 +290,10 @@ class ChorusWork final : public ::c10d::Work {
     return true;
   }
   void synchronize() override {}
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    completions_->release();
+    return future_;
+  }
 
   void complete(std::exception_ptr error) {
     if (error) {
@@ -626,14 +661,18 @@ class ProcessGroupChorus final : public ::c10d::ProcessGroup {
 
   c10::intrusive_ptr<::c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
     const at::Tensor& t = single(tensors, "send");
-    return submit(::c10d::OpType::SEND, {t},
-                  {pg_->send(t.data_ptr(), static_cast<size_t>(t.numel()), data_type(t, "send", false), dst, tag)});
+    const DataType dt = data_type(t, "send", false);
+    completions_->hold(pg_.get());
+    return submit(::c10d::OpType::SEND, {t}, {pg_->send(t.data_ptr(), static_cast<size_t>(t.numel()), dt, dst, tag)},
+                  {}, {}, /*p2p=*/true);
   }
 
   c10::intrusive_ptr<::c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
     const at::Tensor& t = single(tensors, "recv");
-    return submit(::c10d::OpType::RECV, {t},
-                  {pg_->recv(t.data_ptr(), static_cast<size_t>(t.numel()), data_type(t, "recv", false), src, tag)});
+    const DataType dt = data_type(t, "recv", false);
+    completions_->hold(pg_.get());
+    return submit(::c10d::OpType::RECV, {t}, {pg_->recv(t.data_ptr(), static_cast<size_t>(t.numel()), dt, src, tag)},
+                  {}, {}, /*p2p=*/true);
   }
 
   c10::intrusive_ptr<::c10d::Work> recvAnysource(std::vector<at::Tensor>&, int) override {
@@ -747,10 +786,11 @@ class ProcessGroupChorus final : public ::c10d::ProcessGroup {
   // Errors from argument checks surface as RuntimeError in Python with chorus's message.
   c10::intrusive_ptr<::c10d::Work> submit(::c10d::OpType type, std::vector<at::Tensor> outputs,
                                          std::vector<std::shared_ptr<Work>> inner, std::vector<at::Tensor> keep = {},
-                                         std::function<void()> finish = {}) {
+                                         std::function<void()> finish = {}, bool p2p = false) {
+    if (!p2p) completions_->release();  // chorus released its queue when this operation was queued
     auto work = c10::make_intrusive<ChorusWork>(type, std::move(outputs), completions_);
     completions_->push(std::make_shared<Completions::Pending>(
-        Completions::Pending{work, std::move(inner), std::move(keep), std::move(finish)}));
+        Completions::Pending{work, std::move(inner), std::move(keep), std::move(finish), p2p}));
     return work;
   }
 

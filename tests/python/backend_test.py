@@ -15,6 +15,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 import traceback
 
 import torch
@@ -92,6 +93,16 @@ def run_ops(rank, world):
     for r in reqs:
         r.wait()
     out["isend/irecv"] = recv
+    # batch_isend_irecv with every rank's irecvs listed before its isends (PyTorch's own test
+    # does so): the receives must not hold up the sends. A large message each way, and tags.
+    nxt, prv = (rank + 1) % world, (rank + world - 1) % world
+    small, big = torch.zeros(7), torch.zeros(1 << 20)
+    ops = [dist.P2POp(dist.irecv, small, prv, tag=5), dist.P2POp(dist.irecv, big, nxt, tag=6),
+           dist.P2POp(dist.isend, values(7, rank, torch.float32, salt=1), nxt, tag=5),
+           dist.P2POp(dist.isend, values(1 << 20, rank, torch.float32, salt=2), prv, tag=6)]
+    for r in dist.batch_isend_irecv(ops):
+        r.wait()
+    out["batch_isend_irecv small"], out["batch_isend_irecv big"] = small, big
     # async: several in flight, then wait; the future resolves with the output
     ts = [torch.full((1000 + i,), float(rank + i)) for i in range(5)]
     works = [dist.all_reduce(t, async_op=True) for t in ts]
@@ -137,6 +148,20 @@ def chorus_only_ops(rank, world):
     dist.all_to_all(outs, [values(2 * rank + j, rank, torch.int32, j) for j in range(world)])
     if not all(torch.equal(outs[j], values(2 * j + rank, j, torch.int32, rank)) for j in range(world)):
         problems.append("all_to_all")
+    # An irecv posted before its isend, a slow caller between them, finished by polling
+    # is_completed() alone (gloo's send and recv Works complete only in wait()).
+    nxt, prv = (rank + 1) % world, (rank + world - 1) % world
+    polled = torch.zeros(300)
+    reqs = [dist.irecv(polled, prv, tag=9)]
+    time.sleep(0.05)
+    reqs.append(dist.isend(values(300, rank, torch.float32, salt=3), nxt, tag=9))
+    deadline = time.monotonic() + 30
+    while not all(r.is_completed() for r in reqs) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    if not all(r.is_completed() for r in reqs):
+        problems.append("irecv before isend, polled with is_completed(): not completed after 30 s;")
+    elif not torch.equal(polled, values(300, prv, torch.float32, salt=3)):
+        problems.append("irecv before isend, polled with is_completed()")
     t = values(1000, rank, torch.bfloat16)
     dist.all_reduce(t)
     if not torch.equal(t, sum(values(1000, r, torch.float32) for r in range(world)).to(torch.bfloat16)):

@@ -13,7 +13,8 @@
 //   at once too. The group is then broken: every later call fails fast with the original cause.
 // - Thread safety: the issuing methods may be called from any thread; the order in which they
 //   are called is the order in which the operations run.
-// - Send/recv pairs match in order per pair of ranks; their tags must agree.
+// - Send/recv pairs match in order per pair of ranks; their tags must agree. A run of sends and
+//   recvs queued together starts together (see hold_p2p), so neither side's recv blocks its send.
 // - Destroying the group (or shutdown()) finishes queued work, then says goodbye to the peers.
 #pragma once
 
@@ -125,6 +126,17 @@ class ProcessGroup {
   std::shared_ptr<Work> barrier();
   std::shared_ptr<Work> send(const void* data, size_t count, DataType dtype, int dst, int tag = 0);
   std::shared_ptr<Work> recv(void* data, size_t count, DataType dtype, int src, int tag = 0);
+
+  // Point-to-point batches. Sends and recvs normally run one at a time in issue order, so two
+  // ranks that each post a recv before their send (PyTorch's batch_isend_irecv lists) would wait
+  // on each other until the deadline. After hold_p2p(), sends and recvs are queued but not started;
+  // release_p2p() lets the run of them go as one step: every send and recv of the run posted at
+  // once and progressed together (matching stays in order per pair of ranks). The next collective,
+  // a Work::wait on a held operation, and shutdown release the hold too, so nothing waits forever.
+  // Sends and recvs queued back to back without a hold are batched the same way when the worker
+  // finds them queued together.
+  void hold_p2p();
+  void release_p2p();
 
   // A buffer of at least `bytes`, zero-filled and 64-byte aligned, for data this group allreduces
   // again and again (DDP's gradient buckets). Over shared memory every rank maps every rank's
