@@ -158,6 +158,20 @@ ClusterEnv from_variables(const Environment& env, int rank, int world_size) {
                  &c);
   c.local_rank = optional_int(env, context, "LOCAL_RANK", 0);
   c.local_world_size = optional_int(env, context, "LOCAL_WORLD_SIZE", 1);
+  // A Kubeflow PyTorchJob pod (training operator v1) gets RANK = its own index and WORLD_SIZE =
+  // pods x nprocPerNode: a process's rank and world only when nprocPerNode is 1. A launcher in the
+  // pod (chorus run, torchrun) sets LOCAL_RANK for its workers; a program started without one
+  // would wait for ranks that never come, so say what to do instead.
+  const std::string* nproc = lookup(env, "PET_NPROC_PER_NODE");
+  if (rank < 0 && nproc != nullptr && *nproc != "1" && lookup(env, "LOCAL_RANK") == nullptr) {
+    throw UsageError(context + ": RANK=" + std::to_string(c.rank) + " and WORLD_SIZE=" + std::to_string(c.world_size) +
+                     " come with PET_NPROC_PER_NODE=" + *nproc +
+                     ", as in a Kubeflow PyTorchJob with nprocPerNode " + *nproc +
+                     ": there RANK is the pod's index and WORLD_SIZE counts processes, so one process per pod "
+                     "cannot be that rank. Start the program under `chorus run` in each pod (it takes "
+                     "PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK and the master address as its defaults), "
+                     "or set nprocPerNode to 1");
+  }
   master_overrides(env, context, &c);
   if (c.master_addr.empty()) {
     throw UsageError(context + " needs MASTER_ADDR; set it or use chorus run");

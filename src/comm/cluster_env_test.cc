@@ -124,6 +124,35 @@ TEST(ClusterEnvTest, RayTrainWorkerVariables) {
   EXPECT_EQ(c.master_port, 41233);
 }
 
+// A Kubeflow PyTorchJob pod, training operator v1 (pkg/controller.v1/pytorch/envvar.go): RANK is
+// the pod's index, WORLD_SIZE pods x nprocPerNode, PET_NPROC_PER_NODE/PET_NODE_RANK/PET_NNODES.
+// With nprocPerNode 1 the program may run alone in the pod; with 2 only under a launcher.
+TEST(ClusterEnvTest, KubeflowPyTorchJobV1Pods) {
+  Environment worker = {{"MASTER_ADDR", "job-master-0"}, {"MASTER_PORT", "23456"}, {"WORLD_SIZE", "2"},
+                        {"RANK", "1"},  {"PET_NPROC_PER_NODE", "1"},  {"PET_NODE_RANK", "1"},
+                        {"PET_NNODES", "2"}, {"PYTHONUNBUFFERED", "0"}};
+  const ClusterEnv one = resolve_cluster_env(worker);
+  EXPECT_EQ(one.source, "env");
+  EXPECT_EQ(one.rank, 1);
+  EXPECT_EQ(one.world_size, 2);
+  EXPECT_EQ(one.master_addr, "job-master-0");
+  EXPECT_EQ(one.master_port, 23456);
+  worker["WORLD_SIZE"] = "4";
+  worker["PET_NPROC_PER_NODE"] = "2";
+  expect_usage_error(worker, {"RANK=1 and WORLD_SIZE=4", "PET_NPROC_PER_NODE=2", "PyTorchJob", "chorus run"});
+  worker["PET_NPROC_PER_NODE"] = "auto";
+  expect_usage_error(worker, {"PET_NPROC_PER_NODE=auto", "chorus run"});
+  // Under chorus run in that pod, the worker's own variables (LOCAL_RANK among them) are right.
+  Environment under_launcher = worker;
+  under_launcher["RANK"] = "3";
+  under_launcher["LOCAL_RANK"] = "1";
+  under_launcher["LOCAL_WORLD_SIZE"] = "2";
+  const ClusterEnv two = resolve_cluster_env(under_launcher);
+  EXPECT_EQ(two.rank, 3);
+  EXPECT_EQ(two.world_size, 4);
+  EXPECT_EQ(two.local_rank, 1);
+}
+
 TEST(ClusterEnvTest, ChorusRunNamesEachMissingVariable) {
   expect_usage_error({}, {"needs WORLD_SIZE", "chorus run, srun or mpirun"});
   Environment env = {{"WORLD_SIZE", "2"}};

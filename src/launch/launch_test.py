@@ -439,6 +439,41 @@ class LaunchTest(unittest.TestCase):
         self.assertEqual(r.returncode, 2)
         self.assertIn("PET_MAX_RESTARTS", r.stderr + r.stdout)
 
+    def pytorchjob_v1_pod(self, index, pods, nproc, port):
+        """The variables Kubeflow's training operator v1 gives pod `index` of a non-elastic
+        PyTorchJob (pkg/controller.v1/pytorch/envvar.go and master.go): RANK is the pod's index and
+        WORLD_SIZE counts processes. Plus the job's Secret, as CHORUS_JOB_TOKEN."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "RANK", "WORLD_SIZE", "LOCAL_"))}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(pods * nproc), RANK=str(index),
+                   PET_NPROC_PER_NODE=str(nproc), PET_NODE_RANK=str(index), PET_NNODES=str(pods),
+                   PYTHONUNBUFFERED="0", CHORUS_JOB_TOKEN="pytorchjob-secret")
+        return env
+
+    def test_kubeflow_pytorchjob_v1_pods_run_the_unchanged_command(self):
+        # nprocPerNode 2: each pod runs `chorus run PROGRAM`, which takes the node count, processes
+        # per node, node rank and master from the pod's variables: one job of 4 ranks.
+        port = free_port()
+        cmd = [ARGS.chorus, "run", ARGS.probe, "env", self.dir]
+        outs = self.run_launchers([cmd, cmd], envs=[self.pytorchjob_v1_pod(i, 2, 2, port) for i in range(2)])
+        self.assertIn("MASTER_ADDR:MASTER_PORT (127.0.0.1:%d)" % port, outs[1][1])
+        ranks = self.rank_environments(4)
+        self.assertEqual([ranks[r]["GROUP_RANK"] for r in range(4)], ["0", "0", "1", "1"])
+        self.assertEqual([ranks[r]["RANK"] for r in range(4)], ["0", "1", "2", "3"])
+        self.assertEqual({ranks[r]["WORLD_SIZE"] for r in range(4)}, {"4"})
+        # nprocPerNode 1: the program runs alone in each pod, on RANK and WORLD_SIZE as they are.
+        alone = os.path.join(self.dir, "alone")
+        os.mkdir(alone)
+        port = free_port()
+        outs = self.run_launchers([[ARGS.probe, "env", alone]] * 2,
+                                  envs=[self.pytorchjob_v1_pod(i, 2, 1, port) for i in range(2)])
+        self.assertEqual(sorted(outs[0][0].splitlines() + outs[1][0].splitlines()),
+                         ["rank 0 of 2: allreduce gave 2", "rank 1 of 2: allreduce gave 2"])
+        # nprocPerNode 2 without a launcher cannot work: refused at once, saying what to do.
+        r = run([ARGS.probe, "env", alone], env=self.pytorchjob_v1_pod(1, 2, 2, free_port()))
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("PyTorchJob with nprocPerNode 2", r.stderr + r.stdout)
+        self.assertIn("chorus run", r.stderr + r.stdout)
+
     def test_an_elastic_job_forms_from_the_launchers_that_come(self):
         # Two launchers on this machine with --nnodes 1:2: the first to listen on the endpoint
         # hosts the store and is node 0; the round closes at MAX (2) without waiting for the last call.

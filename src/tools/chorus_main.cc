@@ -256,6 +256,21 @@ int main(int argc, char** argv) {
           launch.node_rank = static_cast<int>(value);
         }
       }
+      // A Kubeflow PyTorchJob pod (training operator v1) names its master as MASTER_ADDR and
+      // MASTER_PORT (newer operators also as PET_MASTER_ADDR/PORT, read above): with several nodes
+      // and no endpoint given, they are node 0's. Only in such a pod (PET_NNODES set), so that a
+      // stray MASTER_ADDR in a shell does not join a job by surprise.
+      if (launch.nnodes > 1 && launch.rdzv_endpoint.empty() && launch.master_addr.empty() &&
+          launch.master_port < 0 && std::getenv("PET_NNODES") != nullptr) {
+        const char* addr = std::getenv("MASTER_ADDR");
+        const char* port = std::getenv("MASTER_PORT");
+        if (addr != nullptr && *addr != '\0' && port != nullptr && *port != '\0') {
+          const std::string host(addr);
+          launch.rdzv_endpoint = (host.find(':') != std::string::npos ? "[" + host + "]" : host) + ":" + port;
+          std::fprintf(stderr, "chorus run: node 0's store at MASTER_ADDR:MASTER_PORT (%s), as a PyTorchJob sets them\n",
+                       launch.rdzv_endpoint.c_str());
+        }
+      }
       if (standalone && (launch.nnodes != 1 || launch.max_nodes > 0 || !launch.rdzv_endpoint.empty() || !launch.master_addr.empty())) {
         throw chorus::UsageError("chorus run: --standalone is one node with a local store; drop it, or drop "
                                  "--nnodes/--rdzv-endpoint/--master-addr");
