@@ -19,7 +19,9 @@ Results (the role of dask-pytorch-ddp's DaskResultsHandler): rank 0 calls
 `chorus.dask.log(step=..., loss=..., **scalars)`; with `run(..., results_dir="runs/name")` the
 scalars reach the client while the job trains (a progress line each second) and land there as a
 chorus run directory (config.json, metrics.jsonl, summary.json; docs/run-records.md), so
-`chorus report runs/name` draws the curves.
+`chorus report runs/name` draws the curves. `run_program(..., results_dir=...)` does the same for
+a C++ program: rank 0's chorus::Accelerator mirrors its metrics.jsonl lines to the file its worker
+tails (CHORUS_DASK_METRICS).
 
 When a rank raises or exits non-zero, every other rank is stopped within seconds (SIGTERM, then
 SIGKILL after 3 s), and every future raises one ChorusDaskError naming the root cause: the rank, its
@@ -73,12 +75,14 @@ def log(step, **scalars):
         f.write(json.dumps(record) + "\n")
 
 
-def run_program(client, argv, nprocs_per_worker=1, workers=None, env=None):
+def run_program(client, argv, nprocs_per_worker=1, workers=None, env=None, results_dir=None):
     """Runs the program `argv` (a chorus C++ program such as build/bin/transfer, or any command)
-    once per rank; each future's value is 0, the exit status, or it raises ChorusDaskError."""
+    once per rank; each future's value is 0, the exit status, or it raises ChorusDaskError. With
+    `results_dir`, the run records rank 0's chorus::Accelerator writes (its metrics.jsonl lines)
+    reach the client while the job trains and land there as a run directory, as for run()."""
     if isinstance(argv, str) or not argv:
         raise ValueError("chorus.dask.run_program: argv must be a non-empty list of strings")
-    return _dispatch(client, None, [str(a) for a in argv], nprocs_per_worker, workers, env, None, list(argv))
+    return _dispatch(client, None, [str(a) for a in argv], nprocs_per_worker, workers, env, results_dir, list(argv))
 
 
 def _dispatch(client, payload, argv, nprocs, workers, env, results_dir, command):
@@ -180,6 +184,14 @@ class _Results:
         self.metrics.flush()
 
     def _record(self, r):
+        if "type" in r:  # a line of a C++ program's run record (chorus::Accelerator): kept as it is
+            if r["type"] == "event":
+                return  # the client writes the job's own start and finish
+            self._write(r)
+            self.steps = max(self.steps, int(r.get("step", 0)))
+            self.last.update({k: v for k, v in r.items()
+                              if isinstance(v, (int, float)) and k not in ("step", "epoch", "time", "attempt")})
+            return
         step, t = r.pop("step"), r.pop("time") - self.started
         epoch = int(r.pop("epoch", 0))
         if "loss" in r:

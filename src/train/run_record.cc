@@ -140,6 +140,16 @@ void RunRecorder::open(bool fresh) {
   log_file_ = open_file(dir_ + "/logs/" + rank_name(rank_) + ".log", fresh);
   std::setvbuf(log_file_, nullptr, _IOLBF, 1 << 12);
   if (rank_ == 0) aggregate_file_ = open_file(dir_ + "/metrics.jsonl", fresh);
+  const char* mirror = std::getenv("CHORUS_DASK_METRICS");
+  if (rank_ == 0 && mirror != nullptr && *mirror != '\0') {
+    mirror_file_ = std::fopen(mirror, "a");  // a resumed run's lines follow the earlier ones
+    if (mirror_file_ != nullptr) std::setvbuf(mirror_file_, nullptr, _IOLBF, 1 << 12);
+  }
+}
+
+void RunRecorder::put_aggregate(const nlohmann::json& object) {
+  put_line(aggregate_file_, object);
+  put_line(mirror_file_, object);
 }
 
 void RunRecorder::rewind(int64_t step) {
@@ -150,7 +160,7 @@ void RunRecorder::rewind(int64_t step) {
   open(false);
 }
 
-void RunRecorder::aggregate_line(const nlohmann::json& object) { put_line(aggregate_file_, object); }
+void RunRecorder::aggregate_line(const nlohmann::json& object) { put_aggregate(object); }
 
 RunRecorder::~RunRecorder() { close(); }
 
@@ -164,11 +174,12 @@ RunRecorder& RunRecorder::operator=(RunRecorder&& other) noexcept {
   rank_file_ = std::exchange(other.rank_file_, nullptr);
   aggregate_file_ = std::exchange(other.aggregate_file_, nullptr);
   log_file_ = std::exchange(other.log_file_, nullptr);
+  mirror_file_ = std::exchange(other.mirror_file_, nullptr);
   return *this;
 }
 
 void RunRecorder::close() {
-  for (std::FILE** f : {&rank_file_, &aggregate_file_, &log_file_}) {
+  for (std::FILE** f : {&rank_file_, &aggregate_file_, &log_file_, &mirror_file_}) {
     if (*f != nullptr) std::fclose(*f);
     *f = nullptr;
   }
@@ -176,11 +187,11 @@ void RunRecorder::close() {
 
 void RunRecorder::step(const StepRow& row) { put_line(rank_file_, row.to_json()); }
 
-void RunRecorder::aggregate(const StepRow& row) { put_line(aggregate_file_, row.to_json()); }
+void RunRecorder::aggregate(const StepRow& row) { put_aggregate(row.to_json()); }
 
 void RunRecorder::line(nlohmann::json object, bool to_aggregate) {
   put_line(rank_file_, object);
-  if (to_aggregate) put_line(aggregate_file_, object);
+  if (to_aggregate) put_aggregate(object);
 }
 
 void RunRecorder::log_line(const std::string& text) {
@@ -210,7 +221,7 @@ void RunRecorder::write_json(const std::string& name, const nlohmann::json& doc)
 }
 
 void RunRecorder::flush() {
-  for (std::FILE* f : {rank_file_, aggregate_file_, log_file_}) {
+  for (std::FILE* f : {rank_file_, aggregate_file_, log_file_, mirror_file_}) {
     if (f != nullptr) std::fflush(f);
   }
 }

@@ -78,12 +78,16 @@ class RunRecorder {
 
  private:
   void close();
+  void put_aggregate(const nlohmann::json& object);  // the aggregate, and its mirror
 
   std::string dir_;
   int rank_ = 0;
   std::FILE* rank_file_ = nullptr;
   std::FILE* aggregate_file_ = nullptr;
   std::FILE* log_file_ = nullptr;
+  // Rank 0 under chorus.dask (CHORUS_DASK_METRICS names a file its worker tails): every aggregate
+  // line is appended there too, line-buffered, and reaches the client while the job runs.
+  std::FILE* mirror_file_ = nullptr;
 };
 
 
