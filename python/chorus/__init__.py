@@ -11,6 +11,7 @@ import os as _os
 import sys as _sys
 import time as _time
 
+import torch as _torch
 import torch.distributed as _dist
 
 from chorus import _C
@@ -25,7 +26,11 @@ def _create(store, rank, world_size, timeout):
 
 
 if not hasattr(_dist.Backend, BACKEND.upper()):
-    _dist.Backend.register_backend(BACKEND, _create)
+    if int(_torch.__version__.split(".")[0]) >= 2:
+        # 2.x: a backend per device type (the C++ side is a c10d::Backend there; never built here)
+        _dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])
+    else:
+        _dist.Backend.register_backend(BACKEND, _create)
 
 
 def _record_uncaught(exc_type, exc, tb):

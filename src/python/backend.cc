@@ -11,6 +11,10 @@
 // run as chorus's reductions; BAND, BOR and BXOR (integers and bool) gather every rank's tensor and
 // fold it locally. Not supported, with an error that says so: recvAnysource, PREMUL_SUM, CUDA tensors.
 #include <pybind11/chrono.h>
+#include <torch/version.h>
+#if TORCH_VERSION_MAJOR >= 2
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#endif
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -384,11 +388,22 @@ std::string advertise_host(const std::string& toward_store) {
   return "";
 }
 
-class ProcessGroupChorus final : public ::c10d::ProcessGroup {
+// The one place where libtorch versions differ for a backend: 1.13 takes a c10d::ProcessGroup
+// subclass; 2.x takes a c10d::Backend subclass (its ProcessGroup holds a backend per device, and
+// Python registers ours with devices=["cpu"]: python/chorus/__init__.py). The operations' virtual
+// signatures are the same in both. Only 1.13 is built and tested here (Debian's python3-torch); the
+// 2.x side is written to its headers but has never been compiled (CMake: CHORUS_PYTHON_TORCH2).
+#if TORCH_VERSION_MAJOR >= 2
+using BackendBase = ::c10d::Backend;
+#else
+using BackendBase = ::c10d::ProcessGroup;
+#endif
+
+class ProcessGroupChorus final : public BackendBase {
  public:
   ProcessGroupChorus(const c10::intrusive_ptr<::c10d::Store>& store, int rank, int size,
                      std::chrono::milliseconds timeout)
-      : ::c10d::ProcessGroup(rank, size) {
+      : BackendBase(rank, size) {
     std::shared_ptr<Store> chorus_store = std::make_shared<TorchStore>(store);
     std::string toward_store;
     ProcessGroupOptions o;
@@ -799,7 +814,7 @@ class ProcessGroupChorus final : public ::c10d::ProcessGroup {
   std::thread completer_;
 };
 
-c10::intrusive_ptr<::c10d::ProcessGroup> create(const c10::intrusive_ptr<::c10d::Store>& store, int rank, int size,
+c10::intrusive_ptr<BackendBase> create(const c10::intrusive_ptr<::c10d::Store>& store, int rank, int size,
                                                 std::chrono::milliseconds timeout) {
   try {
     return c10::make_intrusive<ProcessGroupChorus>(store, rank, size, timeout);
