@@ -88,3 +88,23 @@ two_hosts_down() {
   if [[ $TWO_HOSTS_MADE_B -eq 1 ]] && ip netns del "$NS_B"; then TWO_HOSTS_MADE_B=0; fi
   return 0
 }
+
+# two_hosts_traps: for a test script that keeps the pids of what it started in the hosts in the
+# array PIDS and its files in WORK. On exit (and on INT, TERM, HUP, as exits 130 and 143): SIGTERM
+# to those processes, then two_hosts_down, then their exits are reaped and WORK removed; the
+# script's exit status is kept.
+two_hosts_cleanup() {
+  local rc=$? pid
+  set +e
+  for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null; done
+  sleep 0.2
+  two_hosts_down  # SIGKILLs whatever still runs inside the namespaces
+  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null; done
+  [[ -n ${WORK:-} ]] && rm -rf "$WORK"
+  exit "$rc"
+}
+two_hosts_traps() {
+  trap two_hosts_cleanup EXIT
+  trap 'exit 130' INT
+  trap 'exit 143' TERM HUP
+}

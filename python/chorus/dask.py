@@ -26,7 +26,8 @@ tails (CHORUS_DASK_METRICS).
 When a rank raises or exits non-zero, every other rank is stopped within seconds (SIGTERM, then
 SIGKILL after 3 s), and every future raises one ChorusDaskError naming the root cause: the rank, its
 worker and its message, as `chorus run` reports it. Cancelling a future stops the whole job the same
-way. A rank's process dies with its worker (PR_SET_PDEATHSIG); its peers then fail, naming it.
+way. A rank's process dies with its worker (PR_SET_PDEATHSIG); its peers then fail, naming it, and
+its own future, which Dask cannot finish once that worker is gone, is cancelled about 8 s later.
 """
 import ctypes
 import os
@@ -44,6 +45,7 @@ import cloudpickle
 __all__ = ["run", "run_program", "log", "wait_results", "ChorusDaskError"]
 
 KILL_GRACE_S = 3.0
+LINGER_S = 5.0  # after an abort, how long a rank's future may stay unfinished before it is cancelled
 POLL_S = 0.2
 
 
@@ -129,7 +131,20 @@ def _dispatch(client, payload, argv, nprocs, workers, env, results_dir, command)
                 try:
                     abort.set()
                 except Exception:  # the client closed: the ranks' own checks still stop them
+                    return
+                # A rank whose worker died never reports: Dask keeps its task for a worker of that
+                # address, which a restarted worker does not have. Once the others have had their
+                # time to stop, cancel what is left, so that no future waits forever.
+                try:
+                    wait(list(pending), timeout=KILL_GRACE_S + LINGER_S)
+                except Exception:
                     pass
+                left = [f for f in pending if not f.done()]
+                if left:
+                    try:
+                        client.cancel(left)
+                    except Exception:
+                        pass
                 return
 
     threading.Thread(target=watch, args=(list(futures),), name=job + "-watch", daemon=True).start()
@@ -291,7 +306,9 @@ def _rank_task(job, rank, worker, env, payload, argv):
         full_env = dict(os.environ)
         full_env.update(env)
         full_env["CHORUS_ERROR_FILE"] = error_path  # a C++ rank (or chorus's excepthook) records its error
-        proc = subprocess.Popen(argv, env=full_env, start_new_session=True, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(argv, env=full_env, start_new_session=True, preexec_fn=_die_with_parent,
+                                stderr=subprocess.PIPE)
+        stderr_tail = _StderrTail(proc.stderr)
         stopped = False
         while proc.poll() is None:
             if metrics is not None:
@@ -301,6 +318,7 @@ def _rank_task(job, rank, worker, env, payload, argv):
                 _stop(proc)
                 break
         rc = proc.wait()
+        stderr_tail.join()
         if metrics is not None:
             metrics.send()
         outcome = None
@@ -310,7 +328,7 @@ def _rank_task(job, rank, worker, env, payload, argv):
         if rc == 0 and not stopped and (outcome is None or "value" in outcome):
             return 0 if outcome is None else outcome["value"]
         if not stopped:
-            message = _message(rc, outcome, error_path)
+            message = _message(rc, outcome, error_path, stderr_tail.last())
             cause = "rank %d (worker %s, pid %d) failed first: %s" % (rank, worker, proc.pid, message)
             with Lock(job + "-lock"):
                 first = cause_var.get()
@@ -368,7 +386,34 @@ def _stop(proc):
             pass
 
 
-def _message(rc, outcome, error_path):
+class _StderrTail:
+    """A rank's stderr, passed on to the worker's as it comes, its last line kept: the root cause of
+    a process that died before it could record one (an ImportError on a worker without chorus on
+    its path, say), as a Python traceback's last line is."""
+
+    def __init__(self, stream):
+        self.stream, self.lines = stream, []
+        self.thread = threading.Thread(target=self._pump, daemon=True)
+        self.thread.start()
+
+    def _pump(self):
+        out = getattr(sys.stderr, "buffer", None)
+        for line in iter(self.stream.readline, b""):
+            if out is not None:
+                out.write(line)
+                out.flush()
+            if line.strip():
+                self.lines = (self.lines + [line])[-5:]
+        self.stream.close()
+
+    def join(self):
+        self.thread.join(timeout=5)
+
+    def last(self):
+        return self.lines[-1].decode(errors="replace").strip() if self.lines else ""
+
+
+def _message(rc, outcome, error_path, last_line=""):
     if outcome is not None and "error" in outcome:
         return outcome["error"]
     if os.path.exists(error_path):
@@ -378,6 +423,7 @@ def _message(rc, outcome, error_path):
                 return json.load(f).get("message", "exit code %d" % rc)
         except (OSError, ValueError):
             pass
+    said = "; its last output: " + last_line[-300:] if last_line else ""
     if rc < 0:
-        return "killed by signal %d" % -rc
-    return "exit code %d" % rc
+        return "killed by signal %d%s" % (-rc, said)
+    return "exit code %d%s" % (rc, said)

@@ -51,23 +51,7 @@ PORT=$((29000 + RANDOM % 1000))  # fresh namespaces: nothing else listens there
 WORK=$(mktemp -d /tmp/chorus-netns-XXXXXX)
 PIDS=()
 
-cleanup() {
-  local rc=$?
-  set +e
-  for pid in "${PIDS[@]}"; do
-    kill -TERM "$pid" 2>/dev/null  # timeout forwards it to chorus run, which forwards it to its worker
-  done
-  sleep 0.2
-  two_hosts_down  # SIGKILLs whatever still runs inside our namespaces: this script started it
-  for pid in "${PIDS[@]}"; do
-    wait "$pid" 2>/dev/null
-  done
-  rm -rf "$WORK"
-  exit "$rc"
-}
-trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM HUP
+two_hosts_traps  # on exit: stop PIDS, remove the hosts and WORK
 
 two_hosts_up || skip "$TWO_HOSTS_WHY"
 echo "hosts: $NS_A ($ADDR_A, node 0, store at $ADDR_A:$PORT) and $NS_B ($ADDR_B, node 1)"

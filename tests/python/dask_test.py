@@ -12,12 +12,16 @@ scheduler and 2 worker processes on loopback), registered as python_dask_test:
 3. Cancelling the futures of a job whose ranks sleep stops all of them within seconds.
 4. run_program(): a C++ chorus program (launch_probe: writes the variables it got, then allreduces
    through chorus's C++ rendezvous) exits 0 on every rank; when its rank 1 throws, every future
-   names rank 1 and the exception's message (the rank's CHORUS_ERROR_FILE record).
+   names rank 1 and the exception's message (the rank's CHORUS_ERROR_FILE record); a rank that dies
+   before it can record anything (an import that fails) is named with its stderr's last line.
 5. Results: rank 0's chorus.dask.log() scalars land on the client as a run directory (step and log
    lines, summary.json) that `chorus report` (found beside LAUNCH_PROBE) turns into a page.
+6. A worker SIGKILLed while its rank allreduces: rank 0 names the dead rank within seconds, the dead
+   worker's future is cancelled instead of pending forever, and no rank process is left.
 Prints "OK: ..." and exits 0, else one line per problem and exits 1. usage: dask_test.py LAUNCH_PROBE
 """
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -76,12 +80,25 @@ def fail_on_rank_2():
     time.sleep(120)  # the others would wait long: they must be stopped
 
 
-def sleep_and_report(path):
+def sleep_and_report(path, allreduce_every=None):
+    """Writes its pid, then sleeps 120 s, or allreduces on backend chorus every `allreduce_every` s."""
     import os
     import time
+    if allreduce_every is not None:
+        import torch
+        import torch.distributed as dist
+
+        import chorus  # noqa: F401
+        dist.init_process_group("chorus")
     with open(os.path.join(path, "pid-%s" % os.environ["RANK"]), "w") as f:
         f.write(str(os.getpid()))
-    time.sleep(120)
+    if allreduce_every is None:
+        time.sleep(120)
+        return
+    t = torch.ones(16)
+    for _ in range(int(120 / allreduce_every)):
+        dist.all_reduce(t)
+        time.sleep(allreduce_every)
 
 
 def train_and_log(steps):
@@ -101,6 +118,74 @@ def alive(pid):
         return False
     with open("/proc/%d/stat" % pid) as f:
         return f.read().split()[2] != "Z"
+
+
+def rank_pids_of(tmp, world):
+    """The pids sleep_and_report's ranks wrote to tmp, once all `world` have (30 s at most)."""
+    deadline = time.monotonic() + 30
+    while len([n for n in os.listdir(tmp) if n.startswith("pid-")]) < world and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pids = []
+    for n in os.listdir(tmp):
+        with open(os.path.join(tmp, n)) as f:
+            pids.append(int(f.read()))
+    return pids
+
+
+def errors_of(futures):
+    """Each future's ChorusDaskError message ("no error" when it finished)."""
+    messages = []
+    for f in futures:
+        try:
+            f.result(timeout=60)
+            messages.append("no error")
+        except ChorusDaskError as e:
+            messages.append(str(e))
+    return messages
+
+
+def kill_a_worker_mid_training(client, workers, notes):
+    """One rank per worker allreduces on backend chorus; workers[1] (its process) is SIGKILLed: rank
+    0's future must raise within 10 s naming rank 1, every future must end within 30 s (rank 1's is
+    cancelled: Dask cannot finish it) and no rank process may be left. Returns the problems."""
+    problems = []
+    with tempfile.TemporaryDirectory(prefix="chorus-dask-test-") as tmp:
+        worker_pids = client.run(os.getpid)
+        futures = chorus.dask.run(client, sleep_and_report, tmp, allreduce_every=0.05, workers=workers)
+        rank_pids = rank_pids_of(tmp, 2)
+        time.sleep(0.5)  # a few allreduces in
+        t0 = time.monotonic()
+        took = -1.0
+        os.kill(worker_pids[workers[1]], signal.SIGKILL)
+        try:
+            futures[0].result(timeout=30)
+            problems.append("worker killed: rank 0 finished without an error")
+        except ChorusDaskError as e:
+            took = time.monotonic() - t0
+            if "rank 1" not in str(e) or "died" not in str(e) or took > 10:
+                problems.append("worker killed: after %.1f s rank 0 raised %s" % (took, e))
+        except Exception as e:
+            problems.append("worker killed: rank 0 raised %s: %s" % (type(e).__name__, e))
+        end = time.monotonic() + 30
+        while not all(f.done() for f in futures) and time.monotonic() < end:
+            time.sleep(0.1)
+        if not all(f.done() for f in futures):
+            problems.append("worker killed: futures still pending 30 s later: %s" % [f.status for f in futures])
+        time.sleep(0.5)
+        left = [p for p in rank_pids if alive(p)]
+        if len(rank_pids) != 2 or left:
+            problems.append("worker killed: rank pids %s, still running %s" % (rank_pids, left))
+        notes.append("a worker SIGKILLed mid-training: the error named the dead rank in %.1f s, every future "
+                     "ended in %.1f s, no rank left" % (took, time.monotonic() - t0))
+    return problems
+
+
+def summarize(problems, notes):
+    """Prints each problem, then OK or MISMATCH with the notes; the exit status."""
+    for p in problems:
+        print(p)
+    print("%s: %s" % ("MISMATCH" if problems else "OK", "; ".join(notes)))
+    return 1 if problems else 0
 
 
 def main():
@@ -139,13 +224,7 @@ def main():
         # 2. a failing rank stops the job; every future names it
         t0 = time.monotonic()
         futures = chorus.dask.run(client, fail_on_rank_2, nprocs_per_worker=2)
-        messages = []
-        for f in futures:
-            try:
-                f.result(timeout=60)
-                messages.append("no error")
-            except ChorusDaskError as e:
-                messages.append(str(e))
+        messages = errors_of(futures)
         took = time.monotonic() - t0
         for rank, m in enumerate(messages):
             if "rank 2 (worker %s" % workers[1] not in m or "ValueError: no shard for rank 2" not in m:
@@ -157,13 +236,7 @@ def main():
         # 3. cancel
         with tempfile.TemporaryDirectory(prefix="chorus-dask-test-") as tmp:
             futures = chorus.dask.run(client, sleep_and_report, tmp, nprocs_per_worker=2)
-            deadline = time.monotonic() + 30
-            while len([n for n in os.listdir(tmp) if n.startswith("pid-")]) < 4 and time.monotonic() < deadline:
-                time.sleep(0.1)
-            pids = []
-            for n in os.listdir(tmp):
-                with open(os.path.join(tmp, n)) as f:
-                    pids.append(int(f.read()))
+            pids = rank_pids_of(tmp, 4)
             if len(pids) != 4:
                 problems.append("only %d ranks started before the cancel" % len(pids))
             t0 = time.monotonic()
@@ -211,24 +284,23 @@ def main():
             files = sorted(os.listdir(tmp))
             if codes != [0, 0] or files != ["rank_0.env", "rank_1.env"]:
                 problems.append("run_program: exit codes %s, files %s" % (codes, files))
-        messages = []
-        for f in chorus.dask.run_program(client, [probe, "throw", "bad batch"]):
-            try:
-                f.result(timeout=60)
-                messages.append("no error")
-            except ChorusDaskError as e:
-                messages.append(str(e))
+        messages = errors_of(chorus.dask.run_program(client, [probe, "throw", "bad batch"]))
         for rank, m in enumerate(messages):
             if "rank 1 (worker %s" % workers[1] not in m or "bad batch" not in m:
                 problems.append("run_program: rank %d's error does not name rank 1's exception: %s" % (rank, m))
+        # a rank that dies before it can record an error: its last line of stderr is the message
+        messages = errors_of(chorus.dask.run_program(client, [sys.executable, "-c", "import chorus_no_such_module"]))
+        for rank, m in enumerate(messages):
+            if "ModuleNotFoundError: No module named 'chorus_no_such_module'" not in m:
+                problems.append("run_program: rank %d's error lacks its stderr's last line: %s" % (rank, m))
         notes.append("run_program ran a chorus C++ program per worker and named its exception")
+
+        # 6. a worker SIGKILLed mid-training (last: its nanny restarts it under a new address)
+        problems += kill_a_worker_mid_training(client, workers, notes)
     finally:
         client.close()
         cluster.close()
-    for p in problems:
-        print(p)
-    print("%s: %s" % ("MISMATCH" if problems else "OK", "; ".join(notes)))
-    return 1 if problems else 0
+    return summarize(problems, notes)
 
 
 if __name__ == "__main__":
