@@ -12,7 +12,8 @@
    progress while the job ran; `chorus report` drew the accuracy curves of both runs.
 4. Nothing is left running: no transfer process after the runs, and the cluster and server stopped.
 
-usage: example_test.py PATH/TO/chorus PATH/TO/transfer S3_TEST_DIR. Needs python3-distributed,
+usage: example_test.py PATH/TO/chorus PATH/TO/transfer S3_TEST_DIR [WORKERS]: WORKERS (default 2)
+dask-workers, trained at 1, 2, 4, ... up to WORKERS (4: the example's own 1, 2, 4). Needs python3-distributed,
 dataset-fashion-mnist and node (s3rver). Exits 0 with PASS lines, else FAIL: ...
 """
 import json
@@ -49,6 +50,8 @@ def wait_for_file(path, proc, timeout=60):
 
 def main():
     chorus, transfer, s3_dir = (os.path.abspath(a) for a in sys.argv[1:4])
+    n_workers = int(sys.argv[4]) if len(sys.argv) > 4 else 2
+    counts = [n for n in (1, 2, 4, 8, 10) if n <= n_workers]
     work = tempfile.mkdtemp(prefix="chorus-dask-example-")
     procs = []
     try:
@@ -83,7 +86,7 @@ def main():
         with open(sched_file) as f:
             address = json.load(f)["address"]
         worker_dirs = []
-        for i in range(2):
+        for i in range(n_workers):
             d = os.path.join(work, "worker%d" % i)
             os.makedirs(d)
             worker_dirs.append(d)
@@ -91,12 +94,12 @@ def main():
                    "127.0.0.1", "--local-directory", d], d, env=dict(os.environ, PYTHONPATH=os.environ.get("PYTHONPATH", "")))
         from distributed import Client
         with Client(address, timeout=60) as client:
-            client.wait_for_workers(2, timeout=60)
-        print("PASS: dask-scheduler and 2 dask-workers at " + address, flush=True)
+            client.wait_for_workers(n_workers, timeout=60)
+        print("PASS: dask-scheduler and %d dask-workers at %s" % (n_workers, address), flush=True)
 
         runs = os.path.join(work, "runs-dask")
         example = subprocess.run([sys.executable, os.path.join(HERE, "resnet_s3.py"), "--scheduler", address,
-                                  "--data", "s3://chorus-test/fmnist", "--workers", "1,2", "--runs", runs,
+                                  "--data", "s3://chorus-test/fmnist", "--workers", ",".join(map(str, counts)), "--runs", runs,
                                   "--transfer", transfer, "--chorus", chorus, "--",
                                   "--classes", CLASSES, "--shots", "20", "--epochs", str(EPOCHS),
                                   "--threads", "1", "--loader-threads", "1"],
@@ -105,7 +108,7 @@ def main():
         print(example.stdout, flush=True)
         check(example.returncode == 0, "the example exited with %d" % example.returncode)
         check("chorus.dask: step" in example.stdout, "the client printed no progress while the jobs ran")
-        for n in (1, 2):
+        for n in counts:
             name = "w%d" % n
             records = lines(os.path.join(runs, name, "metrics.jsonl"))
             steps = [r for r in records if r.get("type") == "step"]
@@ -124,9 +127,9 @@ def main():
             print("PASS: %d worker(s): %d steps, test accuracy by epoch %s, streamed to the client" %
                   (n, len(steps), ["%.3f" % a for a in acc]), flush=True)
         page = open(os.path.join(runs, "report", "index.html")).read()
-        check("test_accuracy against wall time" in page and "w1" in page and "w2" in page,
+        check("test_accuracy against wall time" in page and all("w%d" % n in page for n in counts),
               "the report lacks the runs' accuracy curves")
-        print("PASS: chorus report drew test accuracy against time for 1 and 2 workers", flush=True)
+        print("PASS: chorus report drew test accuracy against time for %s workers" % counts, flush=True)
         left = subprocess.run(["pgrep", "-f", "--", "--run-name dask-w"], capture_output=True, text=True).stdout.split()
         check(not left, "transfer processes left running: %s" % left)
         print("PASS: no rank left running", flush=True)

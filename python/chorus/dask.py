@@ -4,7 +4,8 @@
     import chorus.dask
 
     client = Client("tcp://scheduler:8786")
-    futures = chorus.dask.run(client, train, epochs=3)           # a Python function per rank
+    futures = chorus.dask.run(client, train, epochs=3)           # a Python function per rank, its
+                                                                 # process group set up (backend="chorus")
     results = client.gather(futures)                             # rank r's return value at [r]
     futures = chorus.dask.run_program(client, ["build/bin/transfer", "--epochs", "1"])  # a program
 
@@ -53,12 +54,17 @@ class ChorusDaskError(RuntimeError):
     """A rank of a chorus job on Dask failed; the message names the root cause (rank, worker)."""
 
 
-def run(client, fn, *args, nprocs_per_worker=1, workers=None, env=None, results_dir=None, **kwargs):
+def run(client, fn, *args, nprocs_per_worker=1, workers=None, env=None, results_dir=None, backend="chorus",
+        **kwargs):
     """Runs fn(*args, **kwargs) once per rank, each in its own process on its worker; returns the
-    list of futures, rank 0's first. `env` adds variables to every rank's environment. With
-    `results_dir`, what rank 0 passes to log() is written there on the client as a run directory."""
+    list of futures, rank 0's first. As dask-pytorch-ddp does, each rank's default process group is
+    set up before fn with `backend` ("chorus", "gloo", ...; torch.distributed is ready when fn
+    starts) and destroyed after it; backend=None leaves that to fn (init_process_group() with no
+    arguments works there). `env` adds variables to every rank's environment. With `results_dir`,
+    what rank 0 passes to log() is written there on the client as a run directory."""
     payload = cloudpickle.dumps((fn, args, kwargs))
     name = getattr(fn, "__qualname__", getattr(fn, "__name__", "fn"))
+    env = dict(env or {}, CHORUS_DASK_BACKEND=backend or "")
     return _dispatch(client, payload, None, nprocs_per_worker, workers, env, results_dir, [name])
 
 

@@ -32,12 +32,16 @@ import chorus.dask
 from chorus.dask import ChorusDaskError
 
 
-def train(steps):
+def train(steps, own_init=False):
+    """DDP for `steps` steps in the group chorus.dask set up (backend="chorus"), or, with own_init,
+    in one it sets up itself (run(..., backend=None))."""
     import torch
     import torch.distributed as dist
 
-    import chorus  # noqa: F401
-    dist.init_process_group("chorus")
+    if own_init:
+        import chorus  # noqa: F401
+        dist.init_process_group("chorus")
+    backend = dist.get_backend()
     torch.manual_seed(0)
     net = torch.nn.Linear(5, 3)
     ddp = torch.nn.parallel.DistributedDataParallel(net)
@@ -48,9 +52,10 @@ def train(steps):
         opt.zero_grad()
         ddp(torch.randn(4, 5, generator=g)).pow(2).mean().backward()
         opt.step()
-    dist.destroy_process_group()
+    if own_init:
+        dist.destroy_process_group()
     keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
-    return {"env": {k: os.environ[k] for k in keys}, "pid": os.getpid(), "ppid": os.getppid(),
+    return {"env": {k: os.environ[k] for k in keys}, "pid": os.getpid(), "ppid": os.getppid(), "backend": backend,
             "params": torch.cat([p.detach().reshape(-1) for p in net.parameters()]).tolist()}
 
 
@@ -84,12 +89,9 @@ def sleep_and_report(path, allreduce_every=None):
     """Writes its pid, then sleeps 120 s, or allreduces on backend chorus every `allreduce_every` s."""
     import os
     import time
-    if allreduce_every is not None:
+    if allreduce_every is not None:  # in the group chorus.dask set up
         import torch
         import torch.distributed as dist
-
-        import chorus  # noqa: F401
-        dist.init_process_group("chorus")
     with open(os.path.join(path, "pid-%s" % os.environ["RANK"]), "w") as f:
         f.write(str(os.getpid()))
     if allreduce_every is None:
@@ -213,6 +215,8 @@ def main():
             holder = list(placed[futures[rank].key])
             if holder != [workers[rank // 2]]:
                 problems.append("rank %d ran on %s, not %s" % (rank, holder, workers[rank // 2]))
+            if r["backend"] != "chorus":
+                problems.append("rank %d's default group has backend %s, not chorus" % (rank, r["backend"]))
             if r["params"] != results[0]["params"]:
                 problems.append("rank %d's parameters differ from rank 0's" % rank)
             if max(abs(a - b) for a, b in zip(r["params"], want)) > 1e-6:

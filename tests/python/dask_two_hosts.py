@@ -2,7 +2,8 @@
 """The client side of tests/netns/dask_two_hosts_test.sh: a Dask cluster with one worker on each of
 two network-namespace hosts (the scheduler and this client on host A).
 
-1. chorus.dask.run: PyTorch DDP on backend "chorus", one rank per worker: rank 1 ran on host B's
+1. chorus.dask.run(..., backend=None): PyTorch DDP on backend "chorus", set up by the function
+   itself, one rank per worker: rank 1 ran on host B's
    worker, MASTER_ADDR is host A's address, and both ranks' parameters equal the single-process
    reference (dask_test.reference).
 2. run_program: the C++ transfer example (with CHORUS and TRANSFER given), one rank per host, from
@@ -39,7 +40,7 @@ def main():
         if hosts != [addr_a, addr_b]:
             problems.append("workers on hosts %s, expected %s" % (hosts, [addr_a, addr_b]))
         steps = 5
-        futures = chorus.dask.run(client, train, steps, workers=workers)
+        futures = chorus.dask.run(client, train, steps, own_init=True, workers=workers, backend=None)
         results = client.gather(futures)
         want = reference(2, steps)
         for rank, r in enumerate(results):
