@@ -298,7 +298,8 @@ def _rank_task(job, rank, worker, env, payload, argv):
 
     abort = Event(job + "-abort")
     cause_var = Variable(job + "-cause")
-    with tempfile.TemporaryDirectory(prefix="chorus-dask-") as tmp:
+    _sweep_scratch()
+    with tempfile.TemporaryDirectory(prefix="chorus-dask-%d-" % os.getpid()) as tmp:
         result_path = os.path.join(tmp, "result")
         error_path = os.path.join(tmp, "error.json")
         metrics = _Tail(os.path.join(tmp, "metrics.jsonl"), job + "-metrics") if rank == 0 else None
@@ -390,6 +391,31 @@ def _stop(proc):
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def _sweep_scratch():
+    """Removes the scratch directories of rank tasks whose worker process is gone: a worker that is
+    SIGKILLed cannot remove its own (/tmp/chorus-dask-<worker pid>-XXXX, of this user)."""
+    import shutil
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        parts = name.split("-")
+        if len(parts) < 4 or parts[0] != "chorus" or parts[1] != "dask" or not parts[2].isdigit():
+            continue
+        path = os.path.join(root, name)
+        try:
+            if os.lstat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(parts[2]), 0)
+            continue  # its worker still runs
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except (OSError, ValueError):
+            continue
 
 
 class _StderrTail:

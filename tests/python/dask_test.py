@@ -179,6 +179,17 @@ def kill_a_worker_mid_training(client, workers, notes):
             problems.append("worker killed: rank pids %s, still running %s" % (rank_pids, left))
         notes.append("a worker SIGKILLed mid-training: the error named the dead rank in %.1f s, every future "
                      "ended in %.1f s, no rank left" % (took, time.monotonic() - t0))
+    # The dead worker's rank left its scratch directory; the next rank task on the machine removes it.
+    dead = worker_pids[workers[1]]
+
+    def scratch_of_dead():
+        return [n for n in os.listdir(tempfile.gettempdir()) if n.startswith("chorus-dask-%d-" % dead)]
+
+    if not scratch_of_dead():
+        problems.append("worker killed: no scratch directory of its rank was left to clean up (naming changed?)")
+    client.gather(chorus.dask.run(client, os.getpid, backend=None, workers=[workers[0]]))
+    if scratch_of_dead():
+        problems.append("worker killed: its ranks' scratch directories are still there: %s" % scratch_of_dead())
     return problems
 
 
