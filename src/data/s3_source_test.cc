@@ -281,16 +281,19 @@ TEST(S3SourceServer, SlowDownAnswersAreRetriedAndEveryImageArrives) {
   }
 }
 
+// `copies` copies of the Tree (24 images each) under train/0/, train/1/, ... of the server's bucket.
+void upload_copies(S3rver& server, int copies) {
+  Tree tree;
+  S3Client admin(server.options());
+  for (int copy = 0; copy < copies; ++copy) tree.upload(admin, "train/" + std::to_string(copy) + "/");
+}
+
 // The server dies mid-epoch: the loop gets a SourceError naming the endpoint within the client's
 // retry budget, even with skip_bad (the storage's failure is never skipped), and the loader shuts
 // down cleanly.
 TEST(S3SourceServer, KilledMidEpochFailsTheLoopEvenWithSkipBad) {
   S3rver server;
-  Tree tree;
-  {
-    S3Client admin(server.options());
-    for (int copy = 0; copy < 4; ++copy) tree.upload(admin, "train/" + std::to_string(copy) + "/");
-  }
+  upload_copies(server, 4);
   S3Options o = server.options();
   o.max_attempts = 3;
   o.deadline = 3000ms;
@@ -331,11 +334,7 @@ TEST(S3SourceServer, AFrozenOrKilledServerReachesTheLoopWithinOneItemsBudget) {
   for (const bool freeze : {true, false}) {
     SCOPED_TRACE(freeze ? "frozen" : "killed");
     S3rver server;
-    Tree tree;
-    {
-      S3Client admin(server.options());
-      for (int copy = 0; copy < 16; ++copy) tree.upload(admin, "train/" + std::to_string(copy) + "/");
-    }
+    upload_copies(server, 16);
     S3Options o = server.options();
     o.max_attempts = 3;
     o.deadline = 2000ms;
