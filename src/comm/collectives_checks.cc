@@ -1,6 +1,8 @@
 // The collectives conformance suite's checks (collectives_checks.h).
 #include "collectives_checks.h"
 
+#include "chorus/comm/error.h"
+
 #include <dirent.h>
 #include <unistd.h>
 
@@ -300,6 +302,61 @@ void point_to_point_objects_subgroups(ProcessGroup& pg_ref) {
         throw std::runtime_error("a held batch of sends and recvs gave wrong data (round " + std::to_string(how) + ")");
       }
     }
+  }
+  // recv_any. First rank 1 alone sends a tag-9 message and then a tag-5 one; rank 0 issues a recv
+  // from any source and, before it has run, a recv from rank 1, which must take the second message
+  // (the recv from any source took its sequence number once it knew the sender). Then every other
+  // rank sends rank 0 one tag-10 message, which w - 1 recvs from any source take in any order (a
+  // tag-10 message that arrives during the first part is passed over: its tag differs).
+  // MPI's transport refuses it when called, and the group goes on.
+  if (w > 1 && pg->transport() == "mpi") {
+    int32_t x = 0;
+    bool refused = false;
+    try {
+      pg->recv_any(&x, 1, DataType::kInt32, 9);
+    } catch (const UsageError&) {
+      refused = true;
+    }
+    if (!refused) throw std::runtime_error("recv_any over MPI was not refused");
+  } else if (w > 1) {
+    if (rank == 1) {
+      std::vector<int32_t> first(5, 901), second(3, 501);
+      pg->send(first.data(), first.size(), DataType::kInt32, 0, 9)->wait();
+      pg->send(second.data(), second.size(), DataType::kInt32, 0, 5)->wait();
+    } else if (rank == 0) {
+      std::vector<int32_t> first(5, -1), second(3, -1);
+      auto any = pg->recv_any(first.data(), first.size(), DataType::kInt32, 9);
+      auto from_1 = pg->recv(second.data(), second.size(), DataType::kInt32, 1, 5);
+      any->wait();
+      from_1->wait();
+      if (any->source() != 1 || first != std::vector<int32_t>(5, 901) || second != std::vector<int32_t>(3, 501)) {
+        throw std::runtime_error("recv_any then recv from rank 1: source " + std::to_string(any->source()) +
+                                 ", data " + std::to_string(first[0]) + " and " + std::to_string(second[0]));
+      }
+    }
+    if (rank != 0) {
+      std::vector<int32_t> out(7, 100 * rank);
+      pg->send(out.data(), out.size(), DataType::kInt32, 0, 10)->wait();
+    } else {
+      std::vector<bool> seen(static_cast<size_t>(w), false);
+      for (int i = 1; i < w; ++i) {
+        std::vector<int32_t> in(7, -1);
+        auto any = pg->recv_any(in.data(), in.size(), DataType::kInt32, 10);
+        any->wait();
+        const int src = any->source();
+        if (src < 1 || src >= w || seen[static_cast<size_t>(src)] || in != std::vector<int32_t>(7, 100 * src)) {
+          throw std::runtime_error("recv_any #" + std::to_string(i) + ": source " + std::to_string(src) + ", data " +
+                                   std::to_string(in[0]));
+        }
+        seen[static_cast<size_t>(src)] = true;
+      }
+    }
+    // A rank whose message was taken goes on to the next collective at once: while rank 0 still
+    // waits for the others, it is there (at a shared-memory barrier, or sending its part), which
+    // must not fail the recvs from any source that other ranks can still satisfy.
+    int64_t one = 1;
+    pg->allreduce(&one, 1, DataType::kInt64)->wait();
+    if (one != w) throw std::runtime_error("allreduce after recvs from any source gave " + std::to_string(one));
   }
   // Objects: rank i contributes i copies of 'a' + i (rank 0 an empty string).
   auto w1 = pg->all_gather_object(std::string(static_cast<size_t>(rank), static_cast<char>('a' + rank)));

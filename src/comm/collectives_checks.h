@@ -15,8 +15,8 @@ namespace chorus::conformance {
 void every_collective(ProcessGroup& pg);
 // Sizes past the default segment and chunk sizes: allreduce, broadcast, reduce_scatter, allgather.
 void large_buffers(ProcessGroup& pg);
-// Tagged sends in a ring, large sends posted before the receives on both sides, object collectives,
-// a sub-group of the even ranks and the parent after it.
+// Tagged sends in a ring, large sends posted before the receives on both sides, held batches,
+// recvs from any source, object collectives, a sub-group of the even ranks and the parent after it.
 void point_to_point_objects_subgroups(ProcessGroup& pg);
 // allocate_buffer: allreduce in place, whole and by range, every dtype and op, reused again and
 // again; shared() only over shm; the memory outlives the group (which this ends).

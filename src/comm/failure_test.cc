@@ -234,6 +234,73 @@ TEST_P(Failure, PeerThatClosedItsGroupIsReportedAsSuch) {
   EXPECT_LT(elapsed_of(reports[0].text), 1.0);
 }
 
+// recv_any waits for whichever rank sends: a rank that closed its group is passed over, one that
+// dies fails it at once, and when no rank is left that could send, or none does before the
+// deadline, the error says so and names the ranks.
+TEST_P(Failure, RecvFromAnySourcePassesOverClosedRanksAndFailsOnADeadOneOrTimeout) {
+  auto reports = testing::run_ranks_independent(3, [&](int rank, int w) -> std::string {
+    auto pg = connect_process_group("env://", rank, w, opts(milliseconds(3000), rank, w));
+    pg->barrier()->wait();
+    if (rank == 2) {
+      pg->shutdown();
+      std::this_thread::sleep_for(milliseconds(2500));
+      return "closed";
+    }
+    int32_t x = 41;
+    if (rank == 1) {
+      std::this_thread::sleep_for(milliseconds(300));
+      pg->send(&x, 1, DataType::kInt32, 0, 4)->wait();
+      std::this_thread::sleep_for(milliseconds(300));
+      ::raise(SIGKILL);
+    }
+    int32_t got = 0;
+    auto first = pg->recv_any(&got, 1, DataType::kInt32, 4);
+    first->wait();
+    return "from " + std::to_string(first->source()) + " got " + std::to_string(got) + "\n" +
+           outcome([&] { pg->recv_any(&got, 1, DataType::kInt32, 4)->wait(); });
+  });
+  const std::string& t = reports[0].text;
+  SCOPED_TRACE(t);
+  EXPECT_EQ(reports[1].signal, SIGKILL);
+  EXPECT_EQ(t.rfind("from 1 got 41\nPeerError", 0), 0u);
+  EXPECT_NE(t.find("rank 0"), std::string::npos);
+  EXPECT_NE(t.find(peer_text(1)), std::string::npos);
+  EXPECT_LT(elapsed_of(t), 1.5);  // not the 3 s deadline
+
+  reports = testing::run_ranks_independent(3, [&](int rank, int w) -> std::string {
+    auto pg = connect_process_group("env://", rank, w, opts(milliseconds(1000), rank, w));
+    pg->barrier()->wait();
+    if (rank != 0) {
+      std::this_thread::sleep_for(milliseconds(2000));  // alive, never sends
+      return "slept";
+    }
+    int32_t got = 0;
+    return outcome([&] { pg->recv_any(&got, 1, DataType::kInt32, 4)->wait(); });
+  });
+  SCOPED_TRACE(reports[0].text);
+  EXPECT_EQ(reports[0].text.rfind("TimeoutError", 0), 0u);
+  EXPECT_GE(elapsed_of(reports[0].text), 0.9);
+  EXPECT_NE(reports[0].text.find("from any source"), std::string::npos);
+  EXPECT_NE(reports[0].text.find(peer_text(1)), std::string::npos);
+  EXPECT_NE(reports[0].text.find(peer_text(2)), std::string::npos);
+
+  reports = testing::run_ranks_independent(3, [&](int rank, int w) -> std::string {
+    auto pg = connect_process_group("env://", rank, w, opts(milliseconds(3000), rank, w));
+    pg->barrier()->wait();
+    if (rank != 0) {
+      pg->shutdown();
+      std::this_thread::sleep_for(milliseconds(1500));
+      return "closed";
+    }
+    int32_t got = 0;
+    return outcome([&] { pg->recv_any(&got, 1, DataType::kInt32, 4)->wait(); });
+  });
+  SCOPED_TRACE(reports[0].text);
+  EXPECT_EQ(reports[0].text.rfind("MismatchError", 0), 0u);
+  EXPECT_NE(reports[0].text.find("no rank it could come from can send"), std::string::npos);
+  EXPECT_LT(elapsed_of(reports[0].text), 1.5);
+}
+
 TEST_P(Failure, PeerWithWrongTokenOrWorldSizeIsRefused) {
   auto reports = testing::run_ranks_independent(2, [&](int rank, int w) -> std::string {
     ProcessGroupOptions o = opts(milliseconds(1500), rank, w);

@@ -27,6 +27,13 @@
 #include "transport.h"
 
 namespace chorus::transport {
+
+int Transport::probe_any(const std::vector<int>&, int64_t) {
+  throw UsageError("chorus: rank " + std::to_string(rank()) + ": the " + kind() +
+                   " transport cannot receive from any source (it cannot look at a message before taking it); "
+                   "name the sender (recv with src=) or use the tcp, shm or hybrid transport");
+}
+
 namespace {
 
 // The ranks `members` of `base` as a group of their own: rank i here is members[i] there.
@@ -47,6 +54,13 @@ class RankMapTransport final : public Transport {
   Ticket recv(int peer, const wire::Call& expect, void* data, size_t n) override {
     return base_.recv(map(peer), expect, data, n);
   }
+  int probe_any(const std::vector<int>& peers, int64_t tag) override {
+    std::vector<int> mapped;
+    for (int p : peers) mapped.push_back(map(p));
+    const int found = base_.probe_any(mapped, tag);
+    return static_cast<int>(std::find(members_.begin(), members_.end(), found) - members_.begin());
+  }
+  bool can_probe() const override { return base_.can_probe(); }
   void wait(Ticket ticket) override { base_.wait(ticket); }
   void wait_all() override { base_.wait_all(); }
   void abort(const std::string&, uint8_t) override {}
@@ -92,6 +106,8 @@ class HybridTransport final : public Transport, public NativeCollectives {
   Ticket recv(int peer, const wire::Call& expect, void* data, size_t n) override {
     return tcp_->recv(peer, expect, data, n);
   }
+  int probe_any(const std::vector<int>& peers, int64_t tag) override { return tcp_->probe_any(peers, tag); }
+  bool can_probe() const override { return tcp_->can_probe(); }
   void wait(Ticket ticket) override { tcp_->wait(ticket); }
   void wait_all() override { tcp_->wait_all(); }
 

@@ -60,6 +60,7 @@ std::shared_ptr<Work> ProcessGroup::Impl::enqueue(wire::OpType op, DataType dtyp
   task.call = call;
   task.run = std::move(run);
   task.post = std::move(post);
+  task.peer = p2p_peer;
   task.held = p2p && holding;
   if (task.held) any_held.store(true, std::memory_order_release);
   queue.push_back(std::move(task));
@@ -71,6 +72,44 @@ std::shared_ptr<Work> ProcessGroup::Impl::enqueue(wire::OpType op, DataType dtyp
 std::shared_ptr<Work> ProcessGroup::Impl::enqueue_p2p(wire::OpType op, DataType dtype, uint64_t count, int64_t tag,
                                                       int peer, std::function<transport::Ticket(const wire::Call&)> post) {
   return enqueue(op, dtype, ReduceOp::kSum, count, tag, nullptr, peer, std::move(post));
+}
+
+std::shared_ptr<Work> ProcessGroup::Impl::enqueue_recv_any(DataType dtype, uint64_t count, int64_t tag,
+                                                          std::function<void(WorkImpl&, const wire::Call&)> run) {
+  std::unique_lock<std::mutex> lock(mu);
+  if (stopping) throw UsageError(me() + ": recv called on a process group that was shut down");
+  wire::Call call;
+  call.op = wire::OpType::kRecv;
+  call.dtype = dtype;
+  call.count = count;
+  call.arg = tag;
+  auto work = std::make_shared<WorkImpl>("rank " + std::to_string(rank) + ": recv from any source (tag " +
+                                             std::to_string(tag) + ")", this);
+  if (broken.load(std::memory_order_acquire)) {
+    work->finish(not_run("recv from any source"));
+    return work;
+  }
+  release_locked();  // it runs alone, after any held sends and recvs: let them go first
+  Task task;
+  task.work = work;
+  task.call = call;
+  task.run = std::move(run);
+  queue.push_back(std::move(task));
+  lock.unlock();
+  cv.notify_one();
+  return work;
+}
+
+uint64_t ProcessGroup::Impl::take_recv_seq(int src) {
+  std::lock_guard<std::mutex> lock(mu);
+  uint64_t later = 0;
+  for (auto& t : queue) {
+    if (t.call.op == wire::OpType::kRecv && t.peer == src) {
+      ++t.call.seq;
+      ++later;
+    }
+  }
+  return recv_seq[static_cast<size_t>(src)]++ - later;
 }
 
 void ProcessGroup::Impl::release_locked() {

@@ -115,7 +115,11 @@ class WorkImpl final : public Work {
 
   std::vector<std::string> objects_;
 
+  int source() const override { return source_.load(std::memory_order_acquire); }
+  void set_source(int rank) { source_.store(rank, std::memory_order_release); }
+
  private:
+  std::atomic<int> source_{-1};
   std::string what_;
   InlineRunner* runner_;  // the group's; a Work that is still queued implies the group is alive
   std::atomic<int> state_{0};  // 0 running, 1 done, 2 failed
@@ -135,6 +139,7 @@ struct Task {
   // that a run of them can be posted together and waited for at once.
   std::function<transport::Ticket(const wire::Call&)> post;
   bool held = false;  // queued under hold_p2p and not released yet: not started
+  int peer = -1;      // a send's destination or a recv's source
 };
 
 }  // namespace detail
@@ -195,6 +200,13 @@ struct ProcessGroup::Impl final : detail::InlineRunner {
   // A send or recv: queued like an operation, with `post` in place of run (Task::post).
   std::shared_ptr<Work> enqueue_p2p(wire::OpType op, DataType dtype, uint64_t count, int64_t tag, int peer,
                                     std::function<transport::Ticket(const wire::Call&)> post);
+  // ProcessGroup::recv_any: an operation of its own (run, not post) whose sequence number is taken
+  // when its source is known (take_recv_seq).
+  std::shared_ptr<Work> enqueue_recv_any(DataType dtype, uint64_t count, int64_t tag,
+                                         std::function<void(detail::WorkImpl&, const wire::Call&)> run);
+  // The sequence number of a recv from `src` that runs now although it was issued without one:
+  // the recvs from src queued after it, numbered as if it were not there, move up by one.
+  uint64_t take_recv_seq(int src);
   // A run_local step: queued like an operation, without a sequence number or a wire call.
   std::shared_ptr<Work> enqueue_local(std::string what, std::function<void()> fn);
   // The tasks to run next, under mu: the front one, with the run of sends and recvs behind it

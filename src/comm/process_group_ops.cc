@@ -175,6 +175,29 @@ std::shared_ptr<Work> ProcessGroup::recv(void* data, size_t count, DataType dtyp
   });
 }
 
+std::shared_ptr<Work> ProcessGroup::recv_any(void* data, size_t count, DataType dtype, int tag) {
+  Impl& m = *impl_;
+  m.check_buffer(data, count, "recv");
+  if (m.size < 2) throw UsageError(m.me() + ": recv from any source in a group of one rank: no other rank can send");
+  if (!m.transport->can_probe()) {
+    throw UsageError(m.me() + ": recv from any source is not available over the " + m.transport->kind() +
+                     " transport (it cannot look at a message before taking it); name the sender, or use the tcp, "
+                     "shm or hybrid transport");
+  }
+  const size_t bytes = count * element_size(dtype);
+  return m.enqueue_recv_any(dtype, count, tag, [&m, data, bytes, tag](detail::WorkImpl& work, const Call& c) {
+    std::vector<int> others;
+    for (int r = 0; r < m.size; ++r) {
+      if (r != m.rank) others.push_back(r);
+    }
+    const int src = m.transport->probe_any(others, tag);
+    Call numbered = c;
+    numbered.seq = m.take_recv_seq(src);
+    m.transport->wait(m.transport->recv(src, numbered, data, bytes));
+    work.set_source(src);
+  });
+}
+
 namespace {
 
 class SharedBuffer final : public Buffer {

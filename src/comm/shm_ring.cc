@@ -62,6 +62,16 @@ void RingReceiver::take(uint64_t& tail, char* dst, size_t n) {
   }
 }
 
+bool RingReceiver::peek_header(wire::Header* h) const {
+  const uint64_t tail = ring_.ctl->tail.v.load(std::memory_order_relaxed);
+  const size_t from_inbox = std::min(sizeof(*h), buffered());
+  if (from_inbox + in_ring(tail) < sizeof(*h)) return false;
+  char* dst = reinterpret_cast<char*>(h);
+  if (from_inbox > 0) std::memcpy(dst, inbox_.data() + inbox_pos_, from_inbox);
+  if (from_inbox < sizeof(*h)) read(tail, dst + from_inbox, sizeof(*h) - from_inbox);
+  return true;
+}
+
 bool RingReceiver::read_ahead() {
   const uint64_t tail = ring_.ctl->tail.v.load(std::memory_order_relaxed);
   const size_t k = in_ring(tail);

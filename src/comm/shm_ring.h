@@ -79,6 +79,9 @@ class RingReceiver {
 
   size_t buffered() const { return inbox_.size() - inbox_pos_; }
 
+  // Copies the next message's header to *h without taking it; false while it has not all arrived.
+  bool peek_header(wire::Header* h) const;
+
  private:
   size_t in_ring(uint64_t tail) const;
   // Copies n bytes of the stream to dst: first from the inbox, then from the ring at `tail`.

@@ -55,6 +55,7 @@ void ShmTransport::setup() {
   ::shm_unlink(name_.c_str());
   named_ = false;
   recvs_.resize(static_cast<size_t>(n));
+  probing_.assign(static_cast<size_t>(n), 0);
   sends_.resize(static_cast<size_t>(n));
   senders_.resize(static_cast<size_t>(n));
   receivers_.resize(static_cast<size_t>(n));
@@ -176,6 +177,51 @@ Ticket ShmTransport::recv(int peer, const wire::Call& expect, void* data, size_t
   recvs_[static_cast<size_t>(check_peer(peer))].push_back(RecvItem{t, expect, static_cast<char*>(data), n});
   pending_.insert(t);
   return t;
+}
+
+// Peeks at the next message in each candidate's ring; wait_until sleeps on this rank's doorbell
+// meanwhile and checks the peers: a candidate that dies fails the probe (check_peer_state). One that
+// closed its group, whose next message is another one, or that waits for this rank at a native
+// collective's barrier cannot send it: when no candidate is left that can, the probe fails.
+int ShmTransport::probe_any(const std::vector<int>& peers, int64_t tag) {
+  probing_.assign(static_cast<size_t>(o_.size), 0);
+  for (int p : peers) probing_[static_cast<size_t>(check_peer(p))] = 1;
+  struct Clear {
+    std::vector<char>& v;
+    ~Clear() { v.assign(v.size(), 0); }
+  } clear{probing_};
+  int found = -1;
+  const auto arrived = [&] {
+    bool can_still_send = false;
+    std::string blocked;  // candidates whose next message is another one
+    for (int p : peers) {
+      wire::Header h;
+      if (receivers_[static_cast<size_t>(p)].peek_header(&h)) {
+        if (h.magic != wire::kMessageMagic) throw PeerError(prefix() + ": corrupt message from " + peer_name(p) + " (bad magic)");
+        if (h.op == wire::OpType::kSend && h.arg == tag) {
+          found = p;
+          return true;
+        }
+        blocked += "; " + peer_name(p) + "'s next message is " + wire::describe(h);
+        continue;
+      }
+      const SegHeader& theirs = hdr(p);
+      if (theirs.state.load(std::memory_order_acquire) == kClosed) continue;
+      if (theirs.in_barrier.load(std::memory_order_acquire) != 0 && theirs.stage.load(std::memory_order_acquire) > stage_) {
+        blocked += "; " + peer_name(p) + " is in " + wire::describe(current_call(p)) + ", waiting for this rank";
+        continue;
+      }
+      can_still_send = true;
+    }
+    if (!can_still_send) {
+      throw MismatchError(prefix() + " from any source: no rank it could come from can send a message with tag " +
+                          std::to_string(tag) + " (the others closed their group)" + blocked +
+                          "; every recv from any source needs a matching send");
+    }
+    return false;
+  };
+  wait_until(arrived, "a message from any source");
+  return found;
 }
 
 void ShmTransport::wait(Ticket t) {

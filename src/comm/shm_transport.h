@@ -42,6 +42,8 @@ class ShmTransport final : public ShmTransportApi, private CollectiveAreas {
   void begin(const wire::Call& call, net::Deadline deadline) override;
   Ticket send(int peer, const wire::Header& header, const void* data, size_t n) override;
   Ticket recv(int peer, const wire::Call& expect, void* data, size_t n) override;
+  int probe_any(const std::vector<int>& peers, int64_t tag) override;
+  bool can_probe() const override { return true; }
   void wait(Ticket t) override;
   void wait_all() override;
   ShmCollectives* native() override { return &collectives_; }
@@ -100,6 +102,7 @@ class ShmTransport final : public ShmTransportApi, private CollectiveAreas {
   std::vector<RingReceiver> receivers_;  // per peer: the ring it writes to this rank
   std::vector<std::deque<SendItem>> sends_;
   std::vector<std::deque<RecvItem>> recvs_;
+  std::vector<char> probing_;  // per peer: probe_any waits for a message from it (set during the probe)
   std::unordered_set<Ticket> pending_;
   Ticket next_ = 1;
   uint64_t stage_ = 0;

@@ -213,6 +213,15 @@ void ShmTransport::check_peer_state(int p) {
     throw_error(h.error_class, prefix() + ": failed because " + peer_name(p) + " failed: " + h.message);
   }
   check_same_call(p, /*strict=*/false);
+  if (probing_[static_cast<size_t>(p)] != 0) {
+    // probe_any passes over a candidate that closed its group or cannot send now; one that died
+    // fails it, as a dead peer fails any operation that waits on it.
+    if (st != kClosed && gone(p)) {
+      throw PeerError(prefix() + " from any source: peer " + peer_name(p) + " died (its process is gone) [after " +
+                      net::format_duration(Clock::now() - start_) + "]");
+    }
+    return;
+  }
   if (!waiting_on(p)) return;  // a peer that finished and left owes this rank nothing
   // This rank waits on a ring for `p` while `p` waits at a native collective's barrier for this
   // rank: neither can move, whatever happens next. (A barrier needs every rank.)
@@ -245,7 +254,7 @@ void ShmTransport::fail_timeout(const char* what) {
   for (int p = 0; p < o_.size; ++p) {
     if (p == o_.rank) continue;
     const bool waiting = !recvs_[static_cast<size_t>(p)].empty() || !sends_[static_cast<size_t>(p)].empty() ||
-                         hdr(p).stage.load() < stage_;
+                         hdr(p).stage.load() < stage_ || probing_[static_cast<size_t>(p)] != 0;
     if (waiting) {
       const wire::Call theirs = current_call(p);
       out << sep << peer_name(p)

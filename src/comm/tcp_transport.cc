@@ -79,6 +79,52 @@ Ticket TcpTransport::recv(int peer, const wire::Call& expect, void* data, size_t
   return t;
 }
 
+// Looks at the first unread message of each candidate (read ahead into its inbox) and sleeps in
+// poll() on every peer's connection meanwhile, so that any peer's death or abort ends the wait as
+// it ends an operation's. Control messages stay where they are: progress() handles them later.
+int TcpTransport::probe_any(const std::vector<int>& peers, int64_t tag) {
+  if (closed_ || aborted_) throw PeerError(prefix() + ": the transport is closed");
+  for (;;) {
+    bool can_still_send = false;
+    std::string blocked;  // candidates whose next message is another one
+    for (int p : peers) {
+      Conn& c = conn(p);
+      if (c.inbox_size() >= sizeof(wire::Header)) {
+        const wire::Header h = peek_header(c);
+        if (h.magic != wire::kMessageMagic || h.kind == wire::Kind::kAbort) handle_control(c, h);  // throws
+        if (h.kind == wire::Kind::kData && h.op == wire::OpType::kSend && h.arg == tag) return p;
+        if (h.kind == wire::Kind::kData) blocked += "; " + peer_name(p) + "'s next message is " + wire::describe(h);
+        continue;  // its next message is another one, or a goodbye: it cannot send this one
+      }
+      if (!c.said_goodbye && !c.quiet_hup) can_still_send = true;
+    }
+    if (!can_still_send) {
+      throw MismatchError(prefix() + " from any source: no rank it could come from can send a message with tag " +
+                          std::to_string(tag) + " (the others closed their group)" + blocked +
+                          "; every recv from any source needs a matching send");
+    }
+    pfds_.clear();
+    pfd_conn_.clear();
+    for (auto& c : conns_) {
+      if (!c.rx.valid() || c.quiet_hup) continue;
+      pfds_.push_back(pollfd{c.rx.get(), static_cast<short>(POLLIN | POLLRDHUP), 0});
+      pfd_conn_.push_back(&c);
+    }
+    if (Clock::now() >= deadline_) fail_probe_timeout(peers, tag);
+    const int rc = ::poll(pfds_.data(), pfds_.size(), net::ms_until(deadline_));
+    if (rc < 0 && errno != EINTR) throw Error(prefix() + ": poll failed: " + std::strerror(errno));
+    for (size_t i = 0; i < pfds_.size(); ++i) {
+      const short re = pfds_[i].revents;
+      if (re == 0) continue;
+      if (re & POLLIN) {
+        read_ahead(*pfd_conn_[i]);
+      } else {
+        check_hangup(*pfd_conn_[i], re);
+      }
+    }
+  }
+}
+
 void TcpTransport::wait(Ticket ticket) {
   while (pending_.count(ticket) != 0) progress();
 }

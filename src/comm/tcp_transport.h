@@ -45,6 +45,8 @@ class TcpTransport final : public Transport {
   void begin(const wire::Call& call, net::Deadline deadline) override;
   Ticket send(int peer, const wire::Header& header, const void* data, size_t n) override;
   Ticket recv(int peer, const wire::Call& expect, void* data, size_t n) override;
+  int probe_any(const std::vector<int>& peers, int64_t tag) override;
+  bool can_probe() const override { return true; }
   void wait(Ticket ticket) override;
   void wait_all() override;
   void abort(const std::string& reason, uint8_t error_class) override;
@@ -93,6 +95,7 @@ class TcpTransport final : public Transport {
   bool handle_control(Conn& c, const wire::Header& h);
   void check_hangup(Conn& c, short revents);
   [[noreturn]] void fail_timeout();
+  [[noreturn]] void fail_probe_timeout(const std::vector<int>& peers, int64_t tag);
 
   int rank_;
   int size_;

@@ -154,4 +154,15 @@ void TcpTransport::fail_timeout() {
   throw TimeoutError(out.str());
 }
 
+void TcpTransport::fail_probe_timeout(const std::vector<int>& peers, int64_t tag) {
+  std::ostringstream out;
+  out << prefix() << " from any source: timed out after " << net::format_duration(Clock::now() - start_)
+      << " waiting for any of ";
+  for (size_t i = 0; i < peers.size(); ++i) out << (i == 0 ? "" : ", ") << peer_name(peers[i]);
+  out << " to send a message with tag " << tag
+      << ". No rank sent one: check that some rank sends to this one with that tag; if one is "
+         "legitimately slow, raise the timeout in the group's Options";
+  throw TimeoutError(out.str());
+}
+
 }  // namespace chorus::transport::detail

@@ -105,6 +105,14 @@ class Transport {
   // Posts the receive of the next message from `peer`: its header must match `expect` and carry
   // exactly n payload bytes, which land at `data`.
   virtual Ticket recv(int peer, const wire::Call& expect, void* data, size_t n) = 0;
+  // Waits until one of `peers` has sent this rank a point-to-point message (a send) with `tag`
+  // that no posted receive has taken, and returns that peer without taking the message: the caller
+  // then posts its recv. Nothing else may be posted meanwhile. A peer whose next message is another
+  // one (a later operation's) is not chosen; a peer that closed its group is passed over; when all
+  // of them have, or one dies, or the deadline passes, it throws as wait() does. Transports that
+  // cannot look at a message before taking it (MPI's) say so in can_probe() and throw UsageError.
+  virtual int probe_any(const std::vector<int>& peers, int64_t tag);
+  virtual bool can_probe() const { return false; }  // probe_any works
   // Progresses everything posted until `ticket` has completed.
   virtual void wait(Ticket ticket) = 0;
   // Progresses everything posted until nothing is pending.

@@ -7,9 +7,9 @@
 //
 // Operations: allreduce, allreduce_coalesced, broadcast, reduce, allgather, _allgather_base,
 // allgather_coalesced, gather, scatter, reduce_scatter, _reduce_scatter_base, alltoall and
-// alltoall_base (split sizes too), send, recv, barrier, on CPU tensors. SUM, AVG, PRODUCT, MIN and MAX
-// run as chorus's reductions; BAND, BOR and BXOR (integers and bool) gather every rank's tensor and
-// fold it locally. Not supported, with an error that says so: recvAnysource, PREMUL_SUM, CUDA tensors.
+// alltoall_base (split sizes too), send, recv, recvAnysource, barrier, on CPU tensors. SUM, AVG,
+// PRODUCT, MIN and MAX run as chorus's reductions; BAND, BOR and BXOR (integers and bool) gather every
+// rank's tensor and fold it locally. Not supported, with an error that says so: PREMUL_SUM, CUDA tensors.
 #include <pybind11/chrono.h>
 #include <torch/version.h>
 #if TORCH_VERSION_MAJOR >= 2
@@ -299,6 +299,16 @@ class ChorusWork final : public ::c10d::Work {
     return future_;
   }
 
+  // recvAnysource: the rank it received from, once done (dist.recv without src returns it).
+  int sourceRank() const override {
+    if (!source_of_) return ::c10d::Work::sourceRank();  // throws: not a recv from any source
+    if (!future_->completed() || future_->hasError()) {
+      throw std::runtime_error("chorus backend: the source of a recv from any source is known once it completed");
+    }
+    return source_of_->source();
+  }
+  void set_source_of(std::shared_ptr<chorus::Work> recv_any) { source_of_ = std::move(recv_any); }
+
   void complete(std::exception_ptr error) {
     if (error) {
       future_->setError(error);
@@ -311,6 +321,7 @@ class ChorusWork final : public ::c10d::Work {
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::shared_ptr<Completions> completions_;
+  std::shared_ptr<chorus::Work> source_of_;
 };
 
 void Completions::complete(Pending& p) {
@@ -690,9 +701,15 @@ class ProcessGroupChorus final : public BackendBase {
                   {}, {}, /*p2p=*/true);
   }
 
-  c10::intrusive_ptr<::c10d::Work> recvAnysource(std::vector<at::Tensor>&, int) override {
-    throw UsageError("chorus backend: recv without a source (recvAnysource) is not supported: chorus matches every "
-                     "message by its sender; pass src= (the sender's rank)");
+  // Runs alone in issue order (held sends and recvs go first); the source comes back through the
+  // Work's sourceRank().
+  c10::intrusive_ptr<::c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
+    const at::Tensor& t = single(tensors, "recv");
+    const DataType dt = data_type(t, "recv", false);
+    auto inner = pg_->recv_any(t.data_ptr(), static_cast<size_t>(t.numel()), dt, tag);
+    auto work = submit(::c10d::OpType::RECVANYSOURCE, {t}, {inner});
+    static_cast<ChorusWork*>(work.get())->set_source_of(std::move(inner));
+    return work;
   }
 
   c10::intrusive_ptr<::c10d::Work> barrier(const ::c10d::BarrierOptions&) override {

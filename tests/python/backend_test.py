@@ -103,6 +103,18 @@ def run_ops(rank, world):
     for r in dist.batch_isend_irecv(ops):
         r.wait()
     out["batch_isend_irecv small"], out["batch_isend_irecv big"] = small, big
+    # recv without src (recvAnysource): every other rank sends rank 0 its values; rank 0 takes them
+    # in arrival order, each dist.recv returning its sender
+    if rank == 0:
+        got = {}
+        for _ in range(world - 1):
+            t = torch.zeros(9)
+            src = dist.recv(t, tag=8)
+            got[src] = t
+        out["recv from any source"] = torch.cat([torch.tensor([float(s)]) for s in sorted(got)] +
+                                                [got[s] for s in sorted(got)])
+    else:
+        dist.send(values(9, rank, torch.float32, salt=3), 0, tag=8)
     # async: several in flight, then wait; the future resolves with the output
     ts = [torch.full((1000 + i,), float(rank + i)) for i in range(5)]
     works = [dist.all_reduce(t, async_op=True) for t in ts]
@@ -201,7 +213,6 @@ def worker(rank, world, backend, init, queue):
                     ("bool reduce", lambda: dist.all_reduce(torch.ones(3, dtype=torch.bool)), "cannot be reduced"),
                     ("float BAND", lambda: dist.all_reduce(torch.ones(3), op=dist.ReduceOp.BAND),
                      "integer or bool"),
-                    ("recv from any source", lambda: dist.recv(torch.zeros(3)), "pass src="),
                     ("disagreeing splits", lambda: dist.all_to_all_single(
                         torch.zeros(4 * world + 100), torch.zeros(4 * world),
                         output_split_sizes=[100 + 4 * world if j == 0 else 0 for j in range(world)],

@@ -15,6 +15,7 @@
 //   are called is the order in which the operations run.
 // - Send/recv pairs match in order per pair of ranks; their tags must agree. A run of sends and
 //   recvs queued together starts together (see hold_p2p), so neither side's recv blocks its send.
+//   recv_any takes the next message with its tag from whichever rank sends first.
 // - Destroying the group (or shutdown()) finishes queued work, then says goodbye to the peers.
 #pragma once
 
@@ -75,6 +76,8 @@ class Work {
   // Results of the object collectives (all_gather_object: one per rank; broadcast_object and
   // scatter_object: one; gather_object: one per rank on the root, none elsewhere).
   virtual const std::vector<std::string>& objects() const = 0;
+  // The rank a recv_any received from, once it completed; -1 for every other operation.
+  virtual int source() const { return -1; }
 };
 
 // Memory from ProcessGroup::allocate_buffer.
@@ -126,6 +129,12 @@ class ProcessGroup {
   std::shared_ptr<Work> barrier();
   std::shared_ptr<Work> send(const void* data, size_t count, DataType dtype, int dst, int tag = 0);
   std::shared_ptr<Work> recv(void* data, size_t count, DataType dtype, int src, int tag = 0);
+  // Receives the next message with `tag` from whichever other rank sends one first (PyTorch's
+  // recv without src); Work::source() then names that rank. It runs alone, after everything issued
+  // before it. While it waits, a rank that dies fails it as any operation; one that closed its
+  // group is passed over. The MPI transport refuses it (UsageError): it cannot look at a message
+  // before taking it.
+  std::shared_ptr<Work> recv_any(void* data, size_t count, DataType dtype, int tag = 0);
 
   // Point-to-point batches. Sends and recvs normally run one at a time in issue order, so two
   // ranks that each post a recv before their send (PyTorch's batch_isend_irecv lists) would wait
