@@ -14,7 +14,8 @@
 #include "chorus/comm/rendezvous.h"
 #include "chorus/comm/signals.h"
 #include "chorus/comm/spawn.h"
-#include "chorus/train/accelerator.h"
+#include "chorus/comm/error.h"
+#include "chorus/train/run_job.h"
 
 namespace chorus::train {
 
