@@ -210,7 +210,9 @@ std::unique_ptr<Transport> make_hybrid_transport(const HybridOptions& options) {
     so.deadline = to.deadline;
     so.host_id = mine;
     so.global_ranks = local;
-    if (options.spin_by_local_size) so.spin_us = local_size <= std::thread::hardware_concurrency() ? 50 : 0;
+    if (options.spin_by_local_size) {
+      so.spin_us = plan::default_spin_us(TransportKind::kShm, static_cast<int>(local_size), std::thread::hardware_concurrency());
+    }
     shm = make_shm_transport(so);
   }
   return std::make_unique<HybridTransport>(std::move(tcp), std::move(shm), std::move(plan), options);

@@ -15,6 +15,7 @@
 
 #include "chorus/comm/error.h"
 #include "chorus/comm/mpi.h"
+#include "plan.h"
 #include "process_group_impl.h"
 
 namespace chorus::transport::mpi {
@@ -39,7 +40,7 @@ MpiTransport::MpiTransport(MPI_Comm comm, MpiOptions options, net::Deadline dead
   MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
   MPI_Comm_rank(comm_, &rank_);
   MPI_Comm_size(comm_, &size_);
-  spin_us_ = o_.spin_us >= 0 ? o_.spin_us : static_cast<unsigned>(size_) <= std::thread::hardware_concurrency() ? 50 : 0;
+  spin_us_ = o_.spin_us >= 0 ? o_.spin_us : plan::default_spin_us(TransportKind::kMpi, size_, std::thread::hardware_concurrency());
   sends_.resize(static_cast<size_t>(size_));
   recvs_.resize(static_cast<size_t>(size_));
   stash_.resize(static_cast<size_t>(size_));

@@ -1,6 +1,7 @@
 #include "plan.h"
 
 #include <algorithm>
+#include <map>
 
 namespace chorus::plan {
 
@@ -101,6 +102,39 @@ std::vector<int> broadcast_heads(const std::vector<std::vector<int>>& hosts, int
   }
   std::rotate(heads.begin(), std::find(heads.begin(), heads.end(), root), heads.end());
   return heads;
+}
+
+AutoTransport choose_auto_transport(const std::vector<std::pair<std::string, uint64_t>>& hosts,
+                                    const std::function<uint64_t(int ranks)>& need) {
+  std::map<std::string, int> per_host;
+  std::map<std::string, uint64_t> free_on;
+  for (const auto& [host, free_bytes] : hosts) {
+    ++per_host[host];
+    free_on[host] = free_bytes;
+  }
+  AutoTransport out;
+  bool shared = false;
+  for (const auto& [host, n] : per_host) {
+    if (n < 2) continue;
+    shared = true;
+    const uint64_t want = need(n);
+    if (out.short_host.empty() && free_on[host] < want) {
+      out.short_host = host;
+      out.short_ranks = n;
+      out.short_free = free_on[host];
+      out.short_need = want;
+    }
+  }
+  out.kind = !out.short_host.empty() ? TransportKind::kTcp
+             : per_host.size() == 1  ? TransportKind::kShm
+             : shared                ? TransportKind::kHybrid
+                                     : TransportKind::kTcp;
+  return out;
+}
+
+int default_spin_us(TransportKind kind, int ranks, unsigned cores) {
+  if (ranks < 1 || static_cast<unsigned>(ranks) > cores) return 0;
+  return kind == TransportKind::kTcp ? 20 : 50;
 }
 
 }  // namespace chorus::plan

@@ -3,10 +3,33 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
+#include "chorus/comm/types.h"
+
 namespace chorus::plan {
+
+// What transport "auto" picks. `hosts` holds each rank's host id and the bytes free in that host's
+// /dev/shm; `need(n)` is the /dev/shm a host of n ranks needs. shm when every rank shares one host,
+// hybrid when some host holds several ranks, tcp when each rank is alone on its host, and tcp when a
+// host of several ranks lacks the /dev/shm they need (short_host names the first, with its figures).
+struct AutoTransport {
+  TransportKind kind = TransportKind::kTcp;
+  std::string short_host;  // "" unless /dev/shm decided
+  int short_ranks = 0;
+  uint64_t short_free = 0;
+  uint64_t short_need = 0;
+};
+AutoTransport choose_auto_transport(const std::vector<std::pair<std::string, uint64_t>>& hosts,
+                                    const std::function<uint64_t(int ranks)>& need);
+
+// How long a transport busy-polls before it sleeps, by default: 20 us over TCP, 50 us over shared
+// memory and MPI, when the `ranks` sharing this host fit its `cores`; 0 otherwise (spinning on an
+// oversubscribed host takes the core a peer needs). `ranks` counts this host's ranks of the group.
+int default_spin_us(TransportKind kind, int ranks, unsigned cores);
 
 struct Range {
   size_t offset = 0;  // in elements

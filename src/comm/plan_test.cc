@@ -97,6 +97,47 @@ TEST(Pow2, Floor) {
   EXPECT_EQ(pow2_floor(9), 8);
 }
 
+// "auto": one host -> shm, some hosts shared -> hybrid, every rank alone -> tcp, and a host of
+// several ranks without the /dev/shm they need -> tcp, naming that host.
+TEST(AutoTransport, PicksFromWhereTheRanksAreAndWhatDevShmHolds) {
+  const auto need = [](int n) { return static_cast<uint64_t>(n) * 100; };
+  using H = std::vector<std::pair<std::string, uint64_t>>;
+  EXPECT_EQ(choose_auto_transport(H{{"a", 1000}, {"a", 1000}, {"a", 1000}}, need).kind, TransportKind::kShm);
+  EXPECT_EQ(choose_auto_transport(H{{"a", 1000}, {"a", 1000}, {"b", 1000}}, need).kind, TransportKind::kHybrid);
+  EXPECT_EQ(choose_auto_transport(H{{"a", 0}, {"b", 0}, {"c", 0}}, need).kind, TransportKind::kTcp);  // no shm needed
+  const AutoTransport short_b = choose_auto_transport(H{{"a", 1000}, {"a", 1000}, {"b", 150}, {"b", 150}}, need);
+  EXPECT_EQ(short_b.kind, TransportKind::kTcp);
+  EXPECT_EQ(short_b.short_host, "b");
+  EXPECT_EQ(short_b.short_ranks, 2);
+  EXPECT_EQ(short_b.short_free, 150u);
+  EXPECT_EQ(short_b.short_need, 200u);
+  const AutoTransport exact = choose_auto_transport(H{{"a", 200}, {"a", 200}}, need);  // just enough
+  EXPECT_EQ(exact.kind, TransportKind::kShm);
+  EXPECT_EQ(exact.short_host, "");
+}
+
+TEST(SpinDefault, TwentyOverTcpFiftyOverSharedMemoryNoneWhenOversubscribed) {
+  EXPECT_EQ(default_spin_us(TransportKind::kTcp, 2, 2), 20);
+  EXPECT_EQ(default_spin_us(TransportKind::kShm, 2, 2), 50);
+  EXPECT_EQ(default_spin_us(TransportKind::kMpi, 1, 2), 50);
+  EXPECT_EQ(default_spin_us(TransportKind::kShm, 3, 2), 0);
+  EXPECT_EQ(default_spin_us(TransportKind::kTcp, 3, 2), 0);
+}
+
+TEST(TransportNames, OneParserReadsEveryNameItWrites) {
+  for (TransportKind k : {TransportKind::kAuto, TransportKind::kTcp, TransportKind::kShm, TransportKind::kHybrid,
+                          TransportKind::kMpi}) {
+    TransportKind back = TransportKind::kAuto;
+    ASSERT_TRUE(parse_transport(to_string(k), &back)) << to_string(k);
+    EXPECT_EQ(back, k);
+  }
+  TransportKind unchanged = TransportKind::kShm;
+  for (const char* bad : {"", "TCP", "gloo", "nccl", "shm "}) {
+    EXPECT_FALSE(parse_transport(bad, &unchanged)) << bad;
+  }
+  EXPECT_EQ(unchanged, TransportKind::kShm);
+}
+
 TEST(HostPlan, EvenHostsGiveOneRailPerLocalRank) {
   // Ranks 0, 2 on host a; 1, 3 on host b (interleaved on purpose).
   const std::vector<std::string> ids = {"a", "b", "a", "b"};

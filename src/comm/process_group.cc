@@ -12,6 +12,7 @@
 #include "chorus/comm/log.h"
 #include "chorus/comm/rendezvous.h"
 #include "chorus/comm/signals.h"
+#include "plan.h"
 #include "process_group_impl.h"
 
 namespace chorus {
@@ -336,13 +337,10 @@ void release_setup_keys(Store& store, const std::string& prefix, int rank, int s
   store.delete_key(count);
 }
 
-// The transport `options` ask for; "auto" looks at which ranks share a host.
+// The transport `kind` (from options.transport); kAuto looks at which ranks share a host.
 std::unique_ptr<transport::Transport> make_transport(Store* store, const transport::TcpOptions& to,
-                                                     const ProcessGroupOptions& options, int size) {
+                                                     const ProcessGroupOptions& options, TransportKind kind, int size) {
   const std::string mine = options.host_id.empty() ? transport::host_identity() : options.host_id;
-  // Spinning on an oversubscribed host takes the core the peer needs.
-  const int spin_us = options.spin_us >= 0 ? options.spin_us
-                      : static_cast<unsigned>(size) <= std::thread::hardware_concurrency() ? 50 : 0;
   transport::ShmOptions so;
   so.host_id = mine;
   so.group_name = options.group_name;
@@ -350,45 +348,35 @@ std::unique_ptr<transport::Transport> make_transport(Store* store, const transpo
   so.deadline = to.deadline;
   so.collective_bytes = options.shm_chunk_bytes;
   so.small_bytes = options.shm_small_bytes;
-  so.spin_us = spin_us;
-  std::string kind = options.transport;
-  if (size == 1) kind = "tcp";  // nothing to connect
-  if (kind == "auto") {
+  so.spin_us = options.spin_us >= 0 ? options.spin_us
+                                    : plan::default_spin_us(TransportKind::kShm, size, std::thread::hardware_concurrency());
+  if (size == 1) kind = TransportKind::kTcp;  // nothing to connect
+  if (kind == TransportKind::kAuto) {
     // Every rank says where it is and how much /dev/shm its host has free.
     const auto all = transport::exchange_announcements(*store, to.key_prefix + "/auto", to.rank, size, to.token,
                                                        {mine, std::to_string(transport::shm_free_bytes())},
                                                        to.deadline);
-    std::map<std::string, int> per_host;
-    std::map<std::string, uint64_t> free_on;
-    for (const auto& a : all) {
-      ++per_host[a.host];
-      free_on[a.host] = std::stoull(a.extra.empty() ? "0" : a.extra);
+    std::vector<std::pair<std::string, uint64_t>> hosts;
+    for (const auto& a : all) hosts.emplace_back(a.host, std::stoull(a.extra.empty() ? "0" : a.extra));
+    const plan::AutoTransport choice =
+        plan::choose_auto_transport(hosts, [&](int n) { return static_cast<uint64_t>(n) * transport::shm_segment_bytes(so, n); });
+    if (!choice.short_host.empty() && to.rank == 0) {
+      chorus::log(LogLevel::kWarning, "group '" + options.group_name + "': /dev/shm on host " + choice.short_host +
+                                          " has " + std::to_string(choice.short_free) + " bytes free but its " +
+                                          std::to_string(choice.short_ranks) + " ranks need " +
+                                          std::to_string(choice.short_need) +
+                                          " for shared memory; using tcp (in a container, raise --shm-size)");
     }
-    bool shared = false;
-    std::string short_host;  // a host whose /dev/shm cannot hold its ranks' segments
-    for (const auto& [id, n] : per_host) {
-      shared = shared || n > 1;
-      const uint64_t need = static_cast<uint64_t>(n) * transport::shm_segment_bytes(so, n);
-      if (n > 1 && free_on[id] < need) {
-        short_host = id;
-        if (to.rank == 0) {
-          chorus::log(LogLevel::kWarning, "group '" + options.group_name + "': /dev/shm on host " + id + " has " +
-                                      std::to_string(free_on[id]) + " bytes free but its " + std::to_string(n) +
-                                      " ranks need " + std::to_string(need) +
-                                      " for shared memory; using tcp (in a container, raise --shm-size)");
-        }
-      }
-    }
-    kind = !short_host.empty() ? "tcp" : per_host.size() == 1 ? "shm" : shared ? "hybrid" : "tcp";
+    kind = choice.kind;
   }
-  if (kind == "shm") {
+  if (kind == TransportKind::kShm) {
     so.store = store;
     so.key_prefix = to.key_prefix;
     so.rank = to.rank;
     so.size = size;
     return transport::make_shm_transport(so);
   }
-  if (kind == "hybrid") {
+  if (kind == TransportKind::kHybrid) {
     transport::HybridOptions ho;
     ho.tcp = to;
     ho.shm = so;
@@ -410,8 +398,8 @@ ProcessGroup::ProcessGroup(std::shared_ptr<Store> store, int rank, int size, Pro
     throw UsageError("chorus: invalid rank " + std::to_string(rank) + " for world size " + std::to_string(size) +
                      "; rank must be in [0, world_size)");
   }
-  if (options.transport != "tcp" && options.transport != "shm" && options.transport != "hybrid" &&
-      options.transport != "auto") {
+  TransportKind kind = TransportKind::kAuto;
+  if (!parse_transport(options.transport, &kind) || kind == TransportKind::kMpi) {
     throw UsageError("chorus: unknown transport '" + options.transport + "'; available: tcp, shm, hybrid, auto (for mpi, connect_mpi_process_group in "
                      "chorus/comm/mpi.h, or init_process_group(\"mpi\"))");
   }
@@ -429,15 +417,13 @@ ProcessGroup::ProcessGroup(std::shared_ptr<Store> store, int rank, int size, Pro
   to.advertise_host = options.advertise_host;
   to.deadline = net::deadline_after(options.timeout);
   to.socket_buffer_bytes = options.socket_buffer_bytes;
-  to.spin_us = options.spin_us;
-  if (to.spin_us < 0) {
-    to.spin_us = static_cast<unsigned>(size) <= std::thread::hardware_concurrency() ? 20 : 0;
-  }
+  to.spin_us = options.spin_us >= 0 ? options.spin_us
+                                    : plan::default_spin_us(TransportKind::kTcp, size, std::thread::hardware_concurrency());
   std::unique_ptr<transport::Transport> t;
   try {
     RecordingStore recording(*m.store);
     to.store = &recording;  // the transports read the store during setup only
-    t = make_transport(&recording, to, options, size);
+    t = make_transport(&recording, to, options, kind, size);
     if (size > 1) release_setup_keys(*m.store, to.key_prefix, rank, size, recording.written());
   } catch (const std::exception& e) {
     // Name the rank and group on every setup error (store, connect, handshake, accept).

@@ -61,6 +61,28 @@ DataType parse_data_type(const std::string& name) {
                    "'; expected one of f32, f64, f16, bf16, i8, u8, i32, i64");
 }
 
+bool parse_transport(const std::string& name, TransportKind* kind) {
+  for (TransportKind k : {TransportKind::kAuto, TransportKind::kTcp, TransportKind::kShm, TransportKind::kHybrid,
+                          TransportKind::kMpi}) {
+    if (name == to_string(k)) {
+      *kind = k;
+      return true;
+    }
+  }
+  return false;
+}
+
+const char* to_string(TransportKind kind) {
+  switch (kind) {
+    case TransportKind::kAuto: return "auto";
+    case TransportKind::kTcp: return "tcp";
+    case TransportKind::kShm: return "shm";
+    case TransportKind::kHybrid: return "hybrid";
+    case TransportKind::kMpi: return "mpi";
+  }
+  return "?";
+}
+
 }  // namespace chorus
 
 namespace chorus::detail {

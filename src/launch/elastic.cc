@@ -12,6 +12,7 @@
 #include "elastic.h"
 
 #include <algorithm>
+#include <cstring>
 #include <sstream>
 #include <thread>
 
@@ -77,12 +78,36 @@ NodeInfo decode_node_info(const std::string& text) {
   int host = 0;
   if (!(in >> n.nproc >> host >> n.previous_rank) || n.nproc < 1 || (host != 0 && host != 1) ||
       n.previous_rank < -1 || in.get() != ' ') {
-    throw Error("chorus run: a damaged node record in the store: '" + text +
+    throw Error("chorus run: a damaged node record in the store: '" + printable(text) +
                 "'; is another job or program using the same --rdzv-endpoint?");
   }
   n.store_host = host == 1;
   std::getline(in, n.id);
   return n;
+}
+
+namespace {
+constexpr const char* kMembershipWord = "membership: ";
+constexpr const char* kFailureWord = "failure: ";
+constexpr const char* kDoneWord = "done";
+}  // namespace
+
+std::string encode(const RoundEnd& end) {
+  switch (end.reason) {
+    case RoundEnd::Reason::kMembership: return kMembershipWord + end.detail;
+    case RoundEnd::Reason::kFailure: return kFailureWord + end.detail;
+    case RoundEnd::Reason::kDone: return kDoneWord;
+  }
+  return kDoneWord;
+}
+
+RoundEnd decode_round_end(const std::string& text) {
+  const auto starts = [&](const std::string& word) { return text.compare(0, word.size(), word) == 0; };
+  if (text == kDoneWord) return {RoundEnd::Reason::kDone, ""};
+  if (starts(kMembershipWord)) return {RoundEnd::Reason::kMembership, text.substr(std::strlen(kMembershipWord))};
+  if (starts(kFailureWord)) return {RoundEnd::Reason::kFailure, text.substr(std::strlen(kFailureWord))};
+  throw Error("chorus run: a damaged round record in the store: '" + printable(text) +
+              "'; is another job or program using the same --rdzv-endpoint?");
 }
 
 std::vector<int> assign_node_ranks(const std::vector<NodeInfo>& joined) {
@@ -149,7 +174,7 @@ bool ElasticRendezvous::wait_to_close(int round, int* size, const std::function<
       return true;
     }
     if (store_->check({kFinished})) {
-      finished_ = store_->get(kFinished);
+      finished_ = decode_round_end(store_->get(kFinished));
       store_->add(kLeft, 1);
       return false;
     }
@@ -189,30 +214,32 @@ std::vector<NodeInfo> ElasticRendezvous::read_nodes(int round, int count) {
   return nodes;
 }
 
-std::string ElasticRendezvous::poll(const RoundPlan& plan) {
+std::optional<RoundEnd> ElasticRendezvous::poll(const RoundPlan& plan) {
   if (parse_count(store_->get(kOpen), kOpen) != plan.round) return end_reason(plan.round);
   const int size = static_cast<int>(plan.nodes.size());
   if (size < options_.max_nodes && store_->add(round_key(plan.round, "waiting"), 0) > 0) {
-    end_round(plan.round, "membership: a node waits to join (the job has " + std::to_string(size) + " of at most " +
-                              std::to_string(options_.max_nodes) + " nodes)");
+    end_round(plan.round, {RoundEnd::Reason::kMembership, "a node waits to join (the job has " + std::to_string(size) +
+                                                              " of at most " + std::to_string(options_.max_nodes) +
+                                                              " nodes)"});
     return end_reason(plan.round);
   }
-  return "";
+  return std::nullopt;
 }
 
-void ElasticRendezvous::end_round(int round, const std::string& reason) {
-  store_->compare_set(round_key(round, "end"), "", reason);
+void ElasticRendezvous::end_round(int round, const RoundEnd& why) {
+  store_->compare_set(round_key(round, "end"), "", encode(why));
   store_->compare_set(kOpen, std::to_string(round), std::to_string(round + 1));
 }
 
-std::string ElasticRendezvous::end_reason(int round) {
+RoundEnd ElasticRendezvous::end_reason(int round) {
   // end_round writes the reason before it opens the next round.
   const std::string key = round_key(round, "end");
-  return store_->check({key}) ? store_->get(key) : "membership: the round ended";
+  if (!store_->check({key})) return {RoundEnd::Reason::kMembership, "the round ended"};
+  return decode_round_end(store_->get(key));
 }
 
-void ElasticRendezvous::finish(const RoundPlan& plan, const std::string& outcome, bool store_host) {
-  store_->compare_set(kFinished, "", outcome);
+void ElasticRendezvous::finish(const RoundPlan& plan, const RoundEnd& outcome, bool store_host) {
+  store_->compare_set(kFinished, "", encode(outcome));
   const std::string finished = round_key(plan.round, "finished");
   store_->add(finished, 1);
   if (!store_host) return;

@@ -42,6 +42,20 @@ struct NodeInfo {
 std::string encode(const NodeInfo& n);
 NodeInfo decode_node_info(const std::string& text);  // throws Error on a damaged record
 
+// Why a round ended (the store's `<round>/end`), or the job (`finished`): a record that only
+// elastic.cc encodes and decodes ("membership: ...", "failure: ...", "done"; docs/elastic.md).
+struct RoundEnd {
+  enum class Reason {
+    kMembership,  // a node joins or left: the job re-forms, no restart is used
+    kFailure,     // a worker failed somewhere (detail: the root-cause report)
+    kDone,        // the job succeeded (finished only)
+  };
+  Reason reason = Reason::kMembership;
+  std::string detail;  // what changed, or the failure report; "" when done
+};
+std::string encode(const RoundEnd& end);
+RoundEnd decode_round_end(const std::string& text);  // throws Error on a damaged record
+
 // The node rank of each of a closed round's nodes, given in join order (pure).
 std::vector<int> assign_node_ranks(const std::vector<NodeInfo>& joined);
 
@@ -74,18 +88,19 @@ class ElasticRendezvous {
   // does not reach MIN nodes within the timeout, naming the round, the count and the fix.
   std::optional<RoundPlan> join(NodeInfo me, const std::function<bool()>& should_stop);
 
-  // While `plan`'s round runs: "" to go on, else why it ends: another node ended it (its reason),
-  // or a node waits to join and the round has room (this call ends the round then).
-  std::string poll(const RoundPlan& plan);
+  // While `plan`'s round runs: nullopt to go on, else why it ends: another node ended it (its
+  // reason), or a node waits to join and the round has room (this call ends the round then).
+  std::optional<RoundEnd> poll(const RoundPlan& plan);
   // Ends `round` (the first reason given wins) and opens the next.
-  void end_round(int round, const std::string& reason);
-  std::string end_reason(int round);
+  void end_round(int round, const RoundEnd& why);
+  RoundEnd end_reason(int round);
 
-  // The job is over: `outcome` "done" (success) or a failure report, for nodes still waiting.
-  // The store's host keeps it up until every node of `plan`'s round said so and the waiting nodes
-  // read it (within the timeout).
-  void finish(const RoundPlan& plan, const std::string& outcome, bool store_host);
-  const std::string& finished_reason() const { return finished_; }
+  // The job is over: `outcome` kDone or kFailure (the report), for nodes still waiting. The
+  // store's host keeps it up until every node of `plan`'s round said so and the waiting nodes read
+  // it (within the timeout).
+  void finish(const RoundPlan& plan, const RoundEnd& outcome, bool store_host);
+  // How the job ended, after join() returned nullopt because it had.
+  const RoundEnd& finished_reason() const { return finished_; }
 
  private:
   int open_round();
@@ -94,7 +109,7 @@ class ElasticRendezvous {
 
   std::shared_ptr<Store> store_;
   ElasticOptions options_;
-  std::string finished_;
+  RoundEnd finished_;
 };
 
 }  // namespace chorus::launch::detail

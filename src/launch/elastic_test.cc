@@ -8,6 +8,7 @@
 #include <future>
 #include <set>
 #include <thread>
+#include <vector>
 
 #include "chorus/comm/error.h"
 #include "chorus/comm/tcp_store.h"
@@ -129,7 +130,7 @@ TEST_F(Rounds, AFullRoundClosesAtOnceAndEveryAgentGetsTheSamePlan) {
     EXPECT_EQ(pc.rank_offset, 1);
     EXPECT_EQ(pb.rank_offset, 2);
   }
-  EXPECT_EQ(a.poll(pa), "");
+  EXPECT_FALSE(a.poll(pa));
 }
 
 TEST_F(Rounds, MinNodesCloseAfterTheLastCall) {
@@ -151,15 +152,20 @@ TEST_F(Rounds, ALateNodeEndsTheRoundAndTheJobGrowsWithRanksKept) {
   auto fb = join(&b, {"b", 1, false, -1});
   RoundPlan pa = *fa.get(), pb = *fb.get();
   ASSERT_EQ(pa.round, 0);
-  EXPECT_EQ(a.poll(pa), "");
+  EXPECT_FALSE(a.poll(pa));
   auto fc = join(&c, {"c", 1, false, -1});  // round 0 is closed: c waits for round 1
-  std::string reason;
-  for (auto deadline = Clock::now() + 5s; reason.empty() && Clock::now() < deadline;) {
-    reason = b.poll(pb);
+  std::optional<RoundEnd> end;
+  for (auto deadline = Clock::now() + 5s; !end && Clock::now() < deadline;) {
+    end = b.poll(pb);
     std::this_thread::sleep_for(10ms);
   }
-  EXPECT_EQ(reason.rfind("membership: a node waits to join", 0), 0u) << reason;
-  EXPECT_EQ(a.poll(pa), reason);  // the round has ended for everyone, for the same reason
+  ASSERT_TRUE(end);
+  EXPECT_EQ(end->reason, RoundEnd::Reason::kMembership);
+  EXPECT_EQ(end->detail.rfind("a node waits to join", 0), 0u) << end->detail;
+  const std::optional<RoundEnd> seen_by_a = a.poll(pa);  // ended for everyone, for the same reason
+  ASSERT_TRUE(seen_by_a);
+  EXPECT_EQ(seen_by_a->reason, end->reason);
+  EXPECT_EQ(seen_by_a->detail, end->detail);
   fa = join(&a, {"a", 1, true, pa.node_rank});
   fb = join(&b, {"b", 1, false, pb.node_rank});
   const RoundPlan qa = *fa.get(), qb = *fb.get(), qc = *fc.get();
@@ -170,7 +176,7 @@ TEST_F(Rounds, ALateNodeEndsTheRoundAndTheJobGrowsWithRanksKept) {
   EXPECT_EQ(qa.node_rank, 0);
   EXPECT_EQ(qb.node_rank, pb.node_rank);
   EXPECT_EQ(qc.node_rank, 2);
-  EXPECT_EQ(c.poll(qc), "");  // full: no one waits, nothing ends it
+  EXPECT_FALSE(c.poll(qc));  // full: no one waits, nothing ends it
 }
 
 TEST_F(Rounds, AFailureEndsTheRoundWithItsReasonAndTheSurvivorsReform) {
@@ -180,9 +186,12 @@ TEST_F(Rounds, AFailureEndsTheRoundWithItsReasonAndTheSurvivorsReform) {
   auto fb = join(&b, {"b", 1, false, -1});
   auto fc = join(&c, {"c", 1, false, -1});
   const RoundPlan pa = *fa.get(), pb = *fb.get(), pc = *fc.get();
-  b.end_round(0, "failure: node x: exit code 1");
-  b.end_round(0, "membership: a later reason loses");
-  EXPECT_EQ(a.poll(pa), "failure: node x: exit code 1");
+  b.end_round(0, {RoundEnd::Reason::kFailure, "node x: exit code 1"});
+  b.end_round(0, {RoundEnd::Reason::kMembership, "a later reason loses"});
+  const std::optional<RoundEnd> end = a.poll(pa);
+  ASSERT_TRUE(end);
+  EXPECT_EQ(end->reason, RoundEnd::Reason::kFailure);
+  EXPECT_EQ(end->detail, "node x: exit code 1");
   // c's node died with the failure: a and b form round 1 after the last call.
   fa = join(&a, {"a", 1, true, pa.node_rank});
   fb = join(&b, {"b", 1, false, pb.node_rank});
@@ -199,9 +208,9 @@ TEST_F(Rounds, ANodeWaitingWhenTheJobFinishesIsToldSo) {
   const RoundPlan pa = *join(&a, {"a", 1, true, -1}).get();
   auto fb = join(&b, {"b", 1, false, -1});  // full: b waits for a later round
   std::this_thread::sleep_for(100ms);
-  auto finished = std::async(std::launch::async, [&] { a.finish(pa, "done", true); });
+  auto finished = std::async(std::launch::async, [&] { a.finish(pa, {RoundEnd::Reason::kDone, ""}, true); });
   EXPECT_FALSE(fb.get().has_value());
-  EXPECT_EQ(b.finished_reason(), "done");
+  EXPECT_EQ(b.finished_reason().reason, RoundEnd::Reason::kDone);
   finished.get();  // the host waited for b to read it, and returns
 }
 
@@ -225,6 +234,29 @@ TEST_F(Rounds, AStopRequestEndsTheWait) {
   std::atomic<int> asked{0};
   EXPECT_FALSE(a.join({"a", 1, true, -1}, [&] { return ++asked > 3; }).has_value());
 }
+
+// The round-end record: what encode writes, decode_round_end reads back, for every reason and for
+// details with the separator's characters; anything else is a damaged record, named printably.
+TEST(RoundEndRecord, RoundTripsEveryReasonAndRefusesDamagedOnes) {
+  for (const RoundEnd& e : {RoundEnd{RoundEnd::Reason::kMembership, "a node waits to join (2 of 3)"},
+                            RoundEnd{RoundEnd::Reason::kFailure, "node 1: rank 3: exit code 7\n  message: done: x"},
+                            RoundEnd{RoundEnd::Reason::kFailure, ""}, RoundEnd{RoundEnd::Reason::kDone, ""}}) {
+    const RoundEnd back = decode_round_end(encode(e));
+    EXPECT_EQ(back.reason, e.reason) << encode(e);
+    EXPECT_EQ(back.detail, e.detail) << encode(e);
+  }
+  EXPECT_EQ(encode({RoundEnd::Reason::kFailure, "node 0: x"}), "failure: node 0: x");  // docs/elastic.md's form
+  for (const std::string bad : std::vector<std::string>{"", "Done", "failure", "membership:x", "\x1b[2Jfailure: x"}) {
+    try {
+      decode_round_end(bad);
+      ADD_FAILURE() << "accepted '" << bad << "'";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("damaged round record"), std::string::npos) << e.what();
+      EXPECT_EQ(std::string(e.what()).find('\x1b'), std::string::npos) << "raw control byte in the message";
+    }
+  }
+}
+
 
 }  // namespace
 }  // namespace chorus::launch::detail

@@ -67,6 +67,7 @@ using detail::CheckedOptions;
 using detail::describe_failure;
 using detail::ElasticOptions;
 using detail::ElasticRendezvous;
+using detail::RoundEnd;
 using detail::RoundPlan;
 using detail::ErrorRecord;
 using detail::host_name;
@@ -103,8 +104,6 @@ struct Failure {
   bool membership = false;  // elastic: not a failure but the round's end (a node joins or left)
   std::string report;  // "rank 3 (local rank 1 on host h, pid 42): exit code 7\n  message: ..."
 };
-
-bool is_failure_reason(const std::string& reason) { return reason.rfind("failure", 0) == 0; }
 
 class Agent {
  public:
@@ -175,13 +174,13 @@ class Agent {
           std::fprintf(stderr, "chorus run: stopped by %s while waiting to join\n", signal_name(stop_signal_).c_str());
           return 128 + stop_signal_;
         }
-        const std::string& outcome = rdzv_->finished_reason();
-        if (outcome == "done") {
+        const RoundEnd& outcome = rdzv_->finished_reason();
+        if (outcome.reason == RoundEnd::Reason::kDone) {
           std::fprintf(stderr, "chorus run: the job finished while this node (%s) waited to join it\n", me.c_str());
           return 0;
         }
         std::fprintf(stderr, "chorus run: the job failed while this node (%s) waited to join it: %s\n", me.c_str(),
-                     outcome.c_str());
+                     outcome.detail.c_str());
         return 1;
       }
       plan_ = *plan;
@@ -193,8 +192,8 @@ class Agent {
       const Failure f = run_attempt(plan_.round);
       if (stop_signal_ != 0) {
         try {
-          rdzv_->end_round(plan_.round, "membership: node " + std::to_string(node_rank_) + " (" + me + ") was stopped by " +
-                                            signal_name(stop_signal_));
+          rdzv_->end_round(plan_.round, {RoundEnd::Reason::kMembership, "node " + std::to_string(node_rank_) + " (" + me +
+                                                                          ") was stopped by " + signal_name(stop_signal_)});
         } catch (const Error&) {
         }
         std::fprintf(stderr, "chorus run: stopped by %s after forwarding it to the workers\n",
@@ -202,18 +201,20 @@ class Agent {
         return 128 + stop_signal_;
       }
       if (!f.happened) {
-        rdzv_->finish(plan_, "done", store_host_);
+        rdzv_->finish(plan_, {RoundEnd::Reason::kDone, ""}, store_host_);
         return 0;
       }
       if (f.membership) {
-        std::fprintf(stderr, "chorus run: round %d ended (%s); re-forming the job\n", plan_.round, f.report.c_str());
+        std::fprintf(stderr, "chorus run: round %d ended (membership: %s); re-forming the job\n", plan_.round,
+                     f.report.c_str());
         continue;
       }
       if (++failures > o_.max_restarts) {
         std::fprintf(stderr, "chorus run: FAILED (%d of %d restarts used)\n  root cause: %s\n", failures - 1,
                      o_.max_restarts, f.report.c_str());
         try {
-          rdzv_->finish(plan_, "failed after " + std::to_string(failures - 1) + " restarts: " + f.report, store_host_);
+          rdzv_->finish(plan_, {RoundEnd::Reason::kFailure, "failed after " + std::to_string(failures - 1) + " restarts: " + f.report},
+                        store_host_);
         } catch (const Error&) {
         }
         return 1;
@@ -505,26 +506,26 @@ class Agent {
       try {
         const std::string report = "node " + std::to_string(node_rank_) + ": " + failure->report;
         store_->set(failed_key, report);
-        if (elastic()) rdzv_->end_round(plan_.round, "failure: " + report);
+        if (elastic()) rdzv_->end_round(plan_.round, {RoundEnd::Reason::kFailure, report});
       } catch (const Error&) {
       }
     }
   }
 
-  // Elastic: whether the round goes on ("" if so). A failure elsewhere terminates the workers as
-  // a remote failure; a membership change stops them as a signal does (SIGTERM, then SIGKILL after
-  // the grace period), so that they can save their state.
+  // Elastic: whether the round goes on. A failure elsewhere terminates the workers as a remote
+  // failure; a membership change stops them as a signal does (SIGTERM, then SIGKILL after the
+  // grace period), so that they can save their state.
   void check_round(std::vector<Worker>& ws, Failure* failure, Supervisor& supervisor) {
-    std::string reason;
+    std::optional<RoundEnd> end;
     try {
-      reason = rdzv_->poll(plan_);
+      end = rdzv_->poll(plan_);
     } catch (const Error&) {
       return;  // the store is gone (its host finished): local workers go on by themselves
     }
-    if (reason.empty()) return;
+    if (!end) return;
     failure->happened = true;
-    failure->report = is_failure_reason(reason) ? reason.substr(reason.find(':') + 2) : reason;
-    if (is_failure_reason(reason)) {
+    failure->report = end->detail;
+    if (end->reason == RoundEnd::Reason::kFailure) {
       supervisor.on_remote_failure(Clock::now());
       return;
     }

@@ -298,7 +298,10 @@ void add_bench_options(CLI::App& app, BenchArgs& a) {
   app.add_option("--transport", a.transport,
                  "transport: tcp, shm, hybrid (shm within a host, tcp across), auto (picks one of those), or mpi "
                  "(Open MPI: run under mpirun -np N, one rank per process)")
-      ->check(CLI::IsMember({"tcp", "shm", "hybrid", "auto", "mpi"}));
+      ->check([](const std::string& name) {
+        TransportKind kind;
+        return parse_transport(name, &kind) ? std::string() : "unknown transport '" + name + "': tcp, shm, hybrid, auto or mpi";
+      });
   app.add_option("--hosts", a.hosts, "split the local ranks into this many simulated hosts (for hybrid and auto)")
       ->check(CLI::Range(1, 256));
   app.add_option("--sizes", a.sizes, "comma-separated sizes in bytes (K, M, G suffixes)");
@@ -318,7 +321,8 @@ void add_bench_options(CLI::App& app, BenchArgs& a) {
 
 int run_bench(const BenchArgs& a) {
   parse_sizes(a.sizes);  // report bad sizes before starting any process
-  if (a.transport == "mpi") {
+  TransportKind kind = TransportKind::kTcp;
+  if (parse_transport(a.transport, &kind) && kind == TransportKind::kMpi) {
     // mpirun starts the ranks: this process is one of them.
     try {
       auto pg = connect_mpi_process_group(group_options(a, 0, 1));

@@ -179,7 +179,8 @@ DataType to_data_type(c10::ScalarType type) {
 
 std::string transport_for_backend(const std::string& backend) {
   if (backend == "chorus" || backend == "gloo") return "";
-  if (backend == "tcp" || backend == "shm" || backend == "hybrid" || backend == "mpi") return backend;
+  TransportKind forced = TransportKind::kAuto;
+  if (parse_transport(backend, &forced) && forced != TransportKind::kAuto) return backend;
   const std::string exists =
       "chorus's backends are \"chorus\" (alias \"gloo\": CPU and CUDA tensors, shared memory within a host and "
       "TCP between hosts), one transport forced: \"tcp\", \"shm\" or \"hybrid\", or \"mpi\" (Open MPI, under mpirun)";

@@ -35,4 +35,18 @@ const char* to_string(ReduceOp op);
 // Parses "f32", "float32", "bf16", ... ; throws UsageError on an unknown name.
 DataType parse_data_type(const std::string& name);
 
+// The transports a process group can run over (ProcessGroupOptions::transport names one; docs/shm.md).
+enum class TransportKind : uint8_t {
+  kAuto,    // shm, hybrid or tcp, from where the ranks are (plan::choose_auto_transport)
+  kTcp,
+  kShm,
+  kHybrid,
+  kMpi,     // Open MPI under mpirun (connect_mpi_process_group; not a ProcessGroupOptions value)
+};
+// "auto", "tcp", "shm", "hybrid" or "mpi" to its kind; false for any other name. The one parser
+// of transport names (options, backend names, CHORUS_TRANSPORT, command lines).
+bool parse_transport(const std::string& name, TransportKind* kind);
+// The name parse_transport reads.
+const char* to_string(TransportKind kind);
+
 }  // namespace chorus
