@@ -35,8 +35,12 @@ constexpr uint32_t kMaxErrorBytes = 64 * 1024;
 // keeps a corrupt length from allocating more than a value can be.
 constexpr uint32_t kMaxReplyValueBytes = UINT32_MAX;
 
-// The server answers a wait by its timeout; the client gives the answer this long to arrive.
-constexpr std::chrono::milliseconds kReplySlack{2000};
+// The server answers a wait by its timeout; the client gives the answer this long to arrive. A
+// server that has died closes its connections, which fails a request at once; this bounds only a
+// server that is alive but silent (stopped, hung). It was 2 s until a store thread on a loaded
+// 2-core machine (a build beside a two-host Dask test) went 2.4 s without being scheduled and a
+// healthy job failed: a live thread may be starved that long, so the bound is well above it.
+constexpr std::chrono::milliseconds kReplySlack{10000};
 
 bool is_ip_address(const std::string& host) {
   unsigned char buf[sizeof(in6_addr)];

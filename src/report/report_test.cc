@@ -108,6 +108,45 @@ TEST(ParseMetrics, ReadsStepLogAndEventLines) {
   EXPECT_EQ(m.events[1].event, "finish");
 }
 
+// The step line has one definition: what format_step_line writes (the Accelerator's writer),
+// parse_metrics reads back field for field, with samples_per_s and hidden derived.
+TEST(StepLine, FormatAndParseRoundTripEveryField) {
+  StepRecord r;
+  r.step = 7;
+  r.epoch = 2;
+  r.time = 12.25;
+  r.loss = 0.4375;
+  r.lr = 0.01;
+  r.samples = 128;
+  r.step_ms = 64;
+  r.data_ms = 1.5;
+  r.forward_ms = 10.25;
+  r.backward_ms = 30.5;
+  r.optimizer_ms = 2.75;
+  r.comm_ms = 8;
+  r.comm_wait_ms = 2;
+  StepRecord with_nan = r;
+  with_nan.step = 8;
+  with_nan.time = 13;
+  with_nan.lr = std::nan("");
+  const std::string text = format_step_line(r) + "\n" + format_step_line(with_nan) + "\n";
+  EXPECT_EQ(format_step_line(r).find('\n'), std::string::npos);  // one line
+  const Metrics m = parse_metrics(text, "metrics.jsonl");
+  ASSERT_EQ(m.steps.size(), 2u);
+  const StepRecord& b = m.steps[0];
+  EXPECT_EQ(b.step, r.step);
+  EXPECT_EQ(b.epoch, r.epoch);
+  for (auto member : {&StepRecord::time, &StepRecord::loss, &StepRecord::lr, &StepRecord::samples, &StepRecord::step_ms,
+                      &StepRecord::data_ms, &StepRecord::forward_ms, &StepRecord::backward_ms,
+                      &StepRecord::optimizer_ms, &StepRecord::comm_ms, &StepRecord::comm_wait_ms}) {
+    EXPECT_EQ(b.*member, r.*member);
+  }
+  EXPECT_EQ(b.samples_per_s, 2000.0);  // 128 samples in 64 ms
+  EXPECT_NE(format_step_line(r).find("\"hidden\":0.75"), std::string::npos) << format_step_line(r);
+  EXPECT_TRUE(std::isnan(m.steps[1].lr));  // written as null, read as absent
+  EXPECT_EQ(m.steps[1].loss, r.loss);
+}
+
 TEST(ParseMetrics, AbsentKeysAreNaNEmptyLinesAndUnknownTypesSkipped) {
   const Metrics m = parse_metrics(
       "\n{\"type\":\"step\",\"step\":1,\"time\":0.5,\"loss\":null}\n  \n{\"type\":\"histogram\",\"x\":[1]}\n", "m");

@@ -1,4 +1,5 @@
 // Reading run directories: config.json, metrics.jsonl and summary.json to RunRecords.
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -51,6 +52,21 @@ int64_t required_step(const json& o, const std::string& path, size_t line) {
   return static_cast<int64_t>(step);
 }
 
+// The measured fields of a step line, by name: format_step_line writes them and parse_metrics
+// reads them, from this one table.
+struct StepField {
+  const char* name;
+  double StepRecord::*member;
+};
+constexpr StepField kStepFields[] = {
+    {"time", &StepRecord::time},           {"loss", &StepRecord::loss},
+    {"lr", &StepRecord::lr},               {"samples_per_s", &StepRecord::samples_per_s},
+    {"step_ms", &StepRecord::step_ms},     {"data_ms", &StepRecord::data_ms},
+    {"forward_ms", &StepRecord::forward_ms}, {"backward_ms", &StepRecord::backward_ms},
+    {"optimizer_ms", &StepRecord::optimizer_ms}, {"comm_ms", &StepRecord::comm_ms},
+    {"comm_wait_ms", &StepRecord::comm_wait_ms}, {"samples", &StepRecord::samples},
+};
+
 int64_t epoch_of(const json& o) {
   const double e = number_or_nan(o, "epoch");
   return std::isnan(e) ? 0 : static_cast<int64_t>(e);
@@ -84,6 +100,16 @@ json parse_document(const std::string& text, const std::string& path) {
 }
 
 }  // namespace
+
+std::string format_step_line(const StepRecord& r) {
+  const auto value = [](double v) { return std::isnan(v) ? json(nullptr) : json(v); };
+  json j = {{"type", "step"}, {"step", r.step}, {"epoch", r.epoch}};
+  for (const StepField& f : kStepFields) j[f.name] = value(r.*f.member);
+  j["samples"] = std::isnan(r.samples) ? json(nullptr) : json(static_cast<int64_t>(r.samples));
+  j["samples_per_s"] = r.step_ms > 0 ? r.samples / (r.step_ms / 1e3) : 0.0;
+  j["hidden"] = r.comm_ms > 0 ? std::max(0.0, 1.0 - r.comm_wait_ms / r.comm_ms) : 0.0;
+  return j.dump(-1, ' ', false, json::error_handler_t::replace);
+}
 
 Metrics parse_metrics(const std::string& text, const std::string& path) {
   Metrics m;
@@ -120,17 +146,9 @@ Metrics parse_metrics(const std::string& text, const std::string& path) {
       r.step = step;
       r.epoch = epoch_of(o);
       r.time = time;
-      r.loss = number_or_nan(o, "loss");
-      r.lr = number_or_nan(o, "lr");
-      r.samples = number_or_nan(o, "samples");
-      r.samples_per_s = number_or_nan(o, "samples_per_s");
-      r.step_ms = number_or_nan(o, "step_ms");
-      r.data_ms = number_or_nan(o, "data_ms");
-      r.forward_ms = number_or_nan(o, "forward_ms");
-      r.backward_ms = number_or_nan(o, "backward_ms");
-      r.optimizer_ms = number_or_nan(o, "optimizer_ms");
-      r.comm_ms = number_or_nan(o, "comm_ms");
-      r.comm_wait_ms = number_or_nan(o, "comm_wait_ms");
+      for (const StepField& f : kStepFields) {
+        if (f.member != &StepRecord::time) r.*f.member = number_or_nan(o, f.name);
+      }
       m.steps.push_back(r);
     } else if (type == "log") {
       ScalarRecord r;

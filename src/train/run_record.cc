@@ -13,15 +13,13 @@
 #include <stdexcept>
 #include <sys/time.h>
 
+#include "chorus/report/report.h"
+
 namespace chorus::train::detail {
 
 namespace fs = std::filesystem;
 
 namespace {
-const char* const kNames[StepRow::kFields] = {"step",    "epoch",       "time",        "loss",         "lr",
-                                              "samples", "step_ms",     "data_ms",     "forward_ms",   "backward_ms",
-                                              "optimizer_ms", "comm_ms", "comm_wait_ms"};
-
 std::FILE* open_file(const std::string& path, bool fresh) {
   std::FILE* f = std::fopen(path.c_str(), fresh ? "w" : "a");
   if (f == nullptr) {
@@ -66,15 +64,23 @@ StepRow StepRow::from_doubles(const double* in) {
   return r;
 }
 
+// The line is chorus report's definition (report::format_step_line), so writer and reader agree.
 nlohmann::json StepRow::to_json() const {
-  double v[kFields];
-  to_doubles(v);
-  nlohmann::json j = {{"type", "step"}, {"step", step}, {"epoch", epoch}};
-  for (int i = 2; i < kFields; ++i) j[kNames[i]] = v[i];
-  j["samples"] = static_cast<int64_t>(samples);
-  j["samples_per_s"] = step_ms > 0 ? samples / (step_ms / 1e3) : 0.0;
-  j["hidden"] = comm_ms > 0 ? std::max(0.0, 1.0 - comm_wait_ms / comm_ms) : 0.0;
-  return j;
+  report::StepRecord r;
+  r.step = step;
+  r.epoch = epoch;
+  r.time = time;
+  r.loss = loss;
+  r.lr = lr;
+  r.samples = samples;
+  r.step_ms = step_ms;
+  r.data_ms = data_ms;
+  r.forward_ms = forward_ms;
+  r.backward_ms = backward_ms;
+  r.optimizer_ms = optimizer_ms;
+  r.comm_ms = comm_ms;
+  r.comm_wait_ms = comm_wait_ms;
+  return nlohmann::json::parse(report::format_step_line(r));
 }
 
 StepRow aggregate_rows(const std::vector<StepRow>& ranks) {

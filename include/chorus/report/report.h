@@ -45,6 +45,13 @@ struct StepRecord {
   double comm_wait_ms = 0;
 };
 
+// A step line's text (one JSON object, no newline) for `r`, as the Accelerator writes it to
+// metrics.jsonl and parse_metrics reads it: the one definition of the line (docs/run-records.md).
+// step, epoch and samples are written as integers; samples_per_s (samples over step_ms) and hidden
+// (the share of comm_ms not waited for) are derived, so r.samples_per_s is not read. A NaN field is
+// written as null, which parse_metrics reads back as NaN.
+std::string format_step_line(const StepRecord& r);
+
 // One `type: "log"` line: the user's scalars.
 struct ScalarRecord {
   int64_t step = 0;
