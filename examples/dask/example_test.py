@@ -53,6 +53,10 @@ def main():
     n_workers = int(sys.argv[4]) if len(sys.argv) > 4 else 2
     counts = [n for n in (1, 2, 4, 8, 10) if n <= n_workers]
     work = tempfile.mkdtemp(prefix="chorus-dask-example-")
+    # the workers' temporary files (rank scratch, Dask's worker space) under work: removed with it,
+    # and out of reach of another job's sweep of dead workers' scratch on this machine
+    os.mkdir(os.path.join(work, "tmp"))
+    os.environ["TMPDIR"] = os.path.join(work, "tmp")
     procs = []
     try:
         def start(cmd, cwd, **kw):

@@ -27,6 +27,11 @@ command -v dask-scheduler >/dev/null && command -v dask-worker >/dev/null || ski
 
 PORT=$((29000 + RANDOM % 1000))  # fresh namespaces: nothing else listens there
 WORK=$(mktemp -d /tmp/chorus-dask-netns-XXXXXX)
+# The workers' and the client's temporary files (rank scratch directories, Dask's worker space) in
+# WORK: a rank task sweeps the scratch of dead workers in its TMPDIR, and another job on this
+# machine must not sweep this one's before the test has looked.
+export TMPDIR=$WORK/tmp
+mkdir "$TMPDIR"
 PIDS=()
 two_hosts_traps  # on exit: stop PIDS, remove the hosts and WORK
 

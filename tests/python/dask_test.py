@@ -6,7 +6,8 @@ scheduler and 2 worker processes on loopback), registered as python_dask_test:
    environment's rank variables, its worker's address and its parameters: the placement is the one
    asked for (ranks 0-1 on the first worker, 2-3 on the second), MASTER_ADDR is rank 0's worker
    host, all four hold the same parameters, and they equal a single-process run of the same
-   averaged gradients (plain SGD, so the mean of the ranks' gradients gives them exactly).
+   averaged gradients (plain SGD, so the mean of the ranks' gradients gives them exactly), and the
+   same job launched by `chorus run -n 4` (this file with --chorus-run-rank) ends with the same ones.
 2. run() of a function that raises on rank 2: every future raises ChorusDaskError naming rank 2,
    its worker and the message, within seconds, and no rank's process is left.
 3. Cancelling the futures of a job whose ranks sleep stops all of them within seconds.
@@ -193,6 +194,37 @@ def kill_a_worker_mid_training(client, workers, notes):
     return problems
 
 
+def same_as_under_chorus_run(probe, steps, results):
+    """The same DDP job launched by `chorus run -n 4` (this file in its --chorus-run-rank mode):
+    every rank's parameters equal the Dask job's rank's."""
+    import json
+    import subprocess
+    chorus_bin = os.path.join(os.path.dirname(probe), "chorus")
+    with tempfile.TemporaryDirectory(prefix="chorus-dask-test-") as tmp:
+        r = subprocess.run([chorus_bin, "run", "-n", str(len(results)), sys.executable, os.path.abspath(__file__),
+                            "--chorus-run-rank", str(steps), tmp],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+        if r.returncode != 0:
+            return ["the job under chorus run failed: %s" % r.stdout[-800:]]
+        problems = []
+        for rank, dask_result in enumerate(results):
+            with open(os.path.join(tmp, "rank_%d.json" % rank)) as f:
+                params = json.load(f)
+            if len(params) != len(dask_result["params"]) or \
+                    max(abs(a - b) for a, b in zip(params, dask_result["params"])) > 1e-6:
+                problems.append("rank %d's parameters under chorus.dask differ from the same job under chorus run" % rank)
+        return problems
+
+
+def chorus_run_rank(steps, out_dir):
+    """One rank of the comparison job: train() in a group it sets up from chorus run's variables."""
+    import json
+    result = train(steps, own_init=True)
+    with open(os.path.join(out_dir, "rank_%s.json" % os.environ["RANK"]), "w") as f:
+        json.dump(result["params"], f)
+    return 0
+
+
 def summarize(problems, notes):
     """Prints each problem, then OK or MISMATCH with the notes; the exit status."""
     for p in problems:
@@ -202,11 +234,25 @@ def summarize(problems, notes):
 
 
 def main():
-    from distributed import Client, LocalCluster
-
     probe = sys.argv[1]
     problems = []
     notes = []
+    # The workers' temporary files (rank scratch directories, Dask's worker space) in a directory of
+    # this test's own: a rank task sweeps dead workers' scratch in its TMPDIR, and another job on this
+    # machine must not sweep this one's before step 6 has looked.
+    private_tmp = tempfile.mkdtemp(prefix="chorus-dask-test-tmp-")
+    os.environ["TMPDIR"] = private_tmp
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    try:
+        return run_checks(probe, problems, notes)
+    finally:
+        import shutil
+        shutil.rmtree(private_tmp, ignore_errors=True)
+
+
+def run_checks(probe, problems, notes):
+    from distributed import Client, LocalCluster
+
     cluster = LocalCluster(n_workers=2, threads_per_worker=2, processes=True, host="127.0.0.1",
                            dashboard_address=None)
     client = Client(cluster)
@@ -234,7 +280,8 @@ def main():
                 problems.append("rank %d's parameters differ from the single-process reference" % rank)
         if len({r["pid"] for r in results}) != 4:
             problems.append("ranks shared a process: %s" % [r["pid"] for r in results])
-        notes.append("DDP at W=4 (2 per worker) equal to the reference")
+        problems += same_as_under_chorus_run(probe, steps, results)
+        notes.append("DDP at W=4 (2 per worker) equal to the reference and to the job under chorus run")
 
         # 2. a failing rank stops the job; every future names it
         t0 = time.monotonic()
@@ -319,4 +366,6 @@ def main():
 
 
 if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--chorus-run-rank":
+        sys.exit(chorus_run_rank(int(sys.argv[2]), sys.argv[3]))
     sys.exit(main())
