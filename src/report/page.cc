@@ -69,6 +69,13 @@ const char* kStyle = R"(
 )";
 
 std::string caption(const Figure& f) {
+  if (f.kind == Figure::Kind::kStackedBars && f.id != "step_breakdown") {
+    return "The last value each run logged: with one or two values per run, a value reads better than a "
+           "curve.";
+  }
+  if (f.xlabel == "epochs completed") {
+    return "Logged once per epoch, drawn at the number of epochs completed when it was logged.";
+  }
   if (f.kind == Figure::Kind::kStackedBars) {
     return "Mean time per optimizer step. backward is its own work; comm wait is the time it then waited "
            "for the gradient allreduces (exposed communication); other is the rest of the step (the "

@@ -130,12 +130,16 @@ std::string figure_id(const std::string& key) {
 // A gnuplot colour: '#RRGGBB', or '#AARRGGBB' with AA the transparency (00 opaque).
 std::string color(const char* rgb, const char* alpha = "") { return std::string("'#") + alpha + rgb + "'"; }
 
-// One record's value of a series: its step and time say where it goes on either axis.
+// One record's value of a series: its step, epoch and time say where it goes on each axis.
 struct Point {
   int64_t step;
   double time;
   double value;
+  int64_t epoch = 0;
 };
+
+// What a figure's x axis is.
+enum class XAxis { kStep, kTime, kEpoch };
 
 // On a wall-time axis, a series' line breaks before its first point after each resume: the time
 // between is the restart and the redone work, not training.
@@ -177,13 +181,23 @@ class LineFigures {
 
   Figure make(const std::string& id, const std::string& title, const std::string& ylabel, Figure::Kind kind,
               bool against_time, const PointsOf& points) const {
+    return make(id, title, ylabel, kind, against_time ? XAxis::kTime : XAxis::kStep, points);
+  }
+
+  Figure make(const std::string& id, const std::string& title, const std::string& ylabel, Figure::Kind kind, XAxis axis,
+              const PointsOf& points) const {
+    const bool against_time = axis == XAxis::kTime;
     const double time_scale = minutes_ ? 1.0 / 60 : 1.0;
     Figure f;
     f.id = id;
     f.title = title;
-    f.xlabel = against_time ? (minutes_ ? "wall time (min)" : "wall time (s)") : "step";
+    f.xlabel = against_time ? (minutes_ ? "wall time (min)" : "wall time (s)")
+               : axis == XAxis::kEpoch ? "epochs completed"
+                                       : "step";
     f.ylabel = ylabel;
     f.kind = kind;
+    f.x_from_zero = axis == XAxis::kEpoch;
+    int64_t last_epoch = 0;
     for (size_t i = 0; i < runs_.size(); ++i) {
       Series s;
       s.label = labels_[i];
@@ -192,11 +206,17 @@ class LineFigures {
       for (const Point& p : points(runs_[i])) {
         if (!std::isfinite(p.value)) continue;
         breaks.add(p.step, &s);
-        s.x.push_back(against_time ? p.time * time_scale : static_cast<double>(p.step));
+        s.x.push_back(against_time ? p.time * time_scale
+                      : axis == XAxis::kEpoch ? static_cast<double>(p.epoch + 1)
+                                              : static_cast<double>(p.step));
         s.y.push_back(p.value);
+        last_epoch = std::max(last_epoch, p.epoch + 1);
       }
       if (kind == Figure::Kind::kLines) s.smooth = smooth_window(s.y.size());
       if (!s.x.empty()) f.series.push_back(std::move(s));
+    }
+    if (axis == XAxis::kEpoch && last_epoch <= 20) {  // a tic per epoch while they fit
+      for (int64_t e = 0; e <= last_epoch; ++e) f.xtics.push_back(static_cast<double>(e));
     }
     return f;
   }
@@ -220,7 +240,7 @@ PointsOf scalar(const std::string& key) {
     Points out;
     for (const auto& rec : r.metrics.scalars) {
       auto it = rec.values.find(key);
-      if (it != rec.values.end()) out.push_back({rec.step, rec.time, it->second});
+      if (it != rec.values.end()) out.push_back({rec.step, rec.time, it->second, rec.epoch});
     }
     return out;
   };
@@ -238,6 +258,54 @@ std::vector<std::string> scalar_keys(const std::vector<RunRecords>& runs) {
     }
   }
   return keys;
+}
+
+// How a user scalar was logged: the most values any run has, and whether every run logged it at
+// most once per epoch (evaluation results are).
+struct ScalarShape {
+  size_t max_values = 0;
+  bool per_epoch = true;
+};
+ScalarShape scalar_shape(const std::vector<RunRecords>& runs, const std::string& key) {
+  ScalarShape shape;
+  for (const auto& r : runs) {
+    std::set<int64_t> epochs;
+    size_t n = 0;
+    for (const auto& rec : r.metrics.scalars) {
+      if (rec.values.count(key) == 0) continue;
+      ++n;
+      if (!epochs.insert(rec.epoch).second) shape.per_epoch = false;
+    }
+    shape.max_values = std::max(shape.max_values, n);
+  }
+  return shape;
+}
+
+// A scalar with a value or two per run reads as a value, not a curve: each run's last one as a bar
+// (the runs side by side), the value printed above it.
+Figure last_value_figure(const std::vector<RunRecords>& runs, const std::string& key, const std::string& id) {
+  const std::vector<std::string> labels = run_labels(runs);
+  Figure bars;
+  bars.id = id;
+  bars.title = key + ": the last value of each run";
+  bars.ylabel = key;
+  bars.kind = Figure::Kind::kStackedBars;
+  bars.total_format = "%.4g";
+  Series s;
+  s.label = key;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    double last = std::numeric_limits<double>::quiet_NaN();
+    for (const auto& rec : runs[i].metrics.scalars) {
+      auto it = rec.values.find(key);
+      if (it != rec.values.end() && std::isfinite(it->second)) last = it->second;
+    }
+    if (std::isnan(last)) continue;
+    bars.categories.push_back(labels[i]);
+    s.x.push_back(static_cast<double>(bars.categories.size() - 1));
+    s.y.push_back(last);
+  }
+  if (!s.y.empty()) bars.series.push_back(std::move(s));
+  return bars;
 }
 
 // Scaling: each world size's samples/s (the mean over its runs) beside linear scaling from the
@@ -353,7 +421,7 @@ void write_stacked_bars(std::ostringstream& g, const Figure& f, const FigureStyl
       << color(detail::phase_color(static_cast<size_t>(f.series[p].color)));
   }
   const size_t total_col = f.series.size() + 2;
-  g << ", \\\n     $bars using 0:" << total_col << ":(sprintf('%.1f ms', $" << total_col
+  g << ", \\\n     $bars using 0:" << total_col << ":(sprintf(" << quote(f.total_format) << ", $" << total_col
     << ")) with labels offset 0, 0.8 notitle\n";
 }
 
@@ -377,6 +445,7 @@ void write_block(std::ostringstream& g, const std::string& name, const Series& s
 // Lines or points per series; a smoothed series is drawn faint as it is and bold as its moving mean.
 void write_lines(std::ostringstream& g, const Figure& f, const FigureStyle& style) {
   if (f.y_from_zero) g << "set yrange [0:*]\n";
+  if (f.x_from_zero) g << "set xrange [0:*]\n";
   if (!f.xtics.empty()) {
     g << "set xtics (";
     for (size_t i = 0; i < f.xtics.size(); ++i) g << (i ? ", " : "") << num(f.xtics[i]);
@@ -424,8 +493,18 @@ std::vector<Figure> plan_figures(const std::vector<RunRecords>& runs) {
     std::string stem = figure_id(key);
     while (ids.count(stem + "_vs_step")) stem += "_";
     ids.insert(stem + "_vs_step");
-    add(line.make(stem + "_vs_step", key + " against step", key, Figure::Kind::kPoints, false, scalar(key)));
-    add(line.make(stem + "_vs_time", key + " against wall time", key, Figure::Kind::kPoints, true, scalar(key)));
+    const ScalarShape shape = scalar_shape(runs, key);
+    const auto points = Figure::Kind::kPoints;
+    if (shape.max_values <= 2) {
+      add(last_value_figure(runs, key, stem + "_last"));
+      continue;
+    }
+    if (shape.per_epoch) {
+      add(line.make(stem + "_vs_epoch", key + " against epochs completed", key, points, XAxis::kEpoch, scalar(key)));
+    } else {
+      add(line.make(stem + "_vs_step", key + " against step", key, points, XAxis::kStep, scalar(key)));
+    }
+    add(line.make(stem + "_vs_time", key + " against wall time", key, points, XAxis::kTime, scalar(key)));
   }
 
   add(line.make("throughput_vs_step", "Throughput against step", "samples/s (all workers)", lines, false,

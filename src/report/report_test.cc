@@ -255,7 +255,7 @@ TEST(PlanFigures, EveryRunOnEveryFigure) {
   const std::vector<Figure> figs = plan_figures(runs);
   std::vector<std::string> ids;
   for (const auto& f : figs) ids.push_back(f.id);
-  EXPECT_EQ(ids, (std::vector<std::string>{"loss_vs_step", "loss_vs_time", "test_accuracy_vs_step",
+  EXPECT_EQ(ids, (std::vector<std::string>{"loss_vs_step", "loss_vs_time", "test_accuracy_vs_epoch",
                                            "test_accuracy_vs_time", "throughput_vs_step", "throughput_vs_workers",
                                            "step_breakdown"}));
   const Figure& loss = figs[0];
@@ -268,10 +268,15 @@ TEST(PlanFigures, EveryRunOnEveryFigure) {
   EXPECT_EQ(loss.series[1].color, 1);
   EXPECT_EQ(figs[1].xlabel, "wall time (s)");
   EXPECT_DOUBLE_EQ(figs[1].series[0].x.back(), runs[0].metrics.steps.back().time);
+  // test_accuracy is logged once per epoch: against epochs completed, on an axis from 0.
   const Figure& acc = figs[2];
   EXPECT_EQ(acc.kind, Figure::Kind::kPoints);
-  EXPECT_EQ(acc.series[0].y.size(), 6u);
-  EXPECT_EQ(acc.series[1].y.size(), 3u);
+  EXPECT_EQ(acc.xlabel, "epochs completed");
+  EXPECT_TRUE(acc.x_from_zero);
+  EXPECT_EQ(acc.series[0].x, (std::vector<double>{1, 2, 3, 4, 5, 6}));
+  EXPECT_EQ(acc.series[1].x, (std::vector<double>{1, 2, 3}));
+  EXPECT_EQ(acc.xtics, (std::vector<double>{0, 1, 2, 3, 4, 5, 6}));
+  EXPECT_NE(gnuplot_script(acc).find("set xrange [0:*]"), std::string::npos);
 
   const Figure& bars = figs.back();
   EXPECT_EQ(bars.kind, Figure::Kind::kStackedBars);
@@ -291,7 +296,7 @@ TEST(PlanFigures, RunsWithoutAScalarOrStepsAreLeftOutOfItsFigures) {
   const std::vector<Figure> figs = plan_figures({make_run("job", 2, 100), plain, empty});
   for (const auto& f : figs) {
     for (const auto& s : f.series) EXPECT_NE(s.label, "empty (1 worker)") << f.id;
-    if (f.id == "test_accuracy_vs_step") {
+    if (f.id == "test_accuracy_vs_epoch") {
       EXPECT_EQ(f.series.size(), 1u);
     }
     if (f.id == "loss_vs_step") {
@@ -299,6 +304,38 @@ TEST(PlanFigures, RunsWithoutAScalarOrStepsAreLeftOutOfItsFigures) {
     }
   }
   EXPECT_TRUE(plan_figures({empty}).empty());
+}
+
+// A one-epoch job's test accuracy is one value: a bar per run with the value above it, not a lone
+// dot on a step axis. A scalar logged every step stays against step.
+TEST(PlanFigures, AScalarWithOneOrTwoValuesIsABarOfTheLastAndOneLoggedEveryStepStaysOnSteps) {
+  const std::vector<RunRecords> runs = {parse_run("a", config_text("one_epoch", 1), metrics_text(40, 1, 40), ""),
+                                        parse_run("b", config_text("two_epochs", 2), metrics_text(80, 2, 40), "")};
+  const std::vector<Figure> figs = plan_figures(runs);
+  const Figure* last = nullptr;
+  for (const auto& f : figs) {
+    EXPECT_NE(f.id, "test_accuracy_vs_step");
+    EXPECT_NE(f.id, "test_accuracy_vs_time");
+    if (f.id == "test_accuracy_last") last = &f;
+  }
+  ASSERT_NE(last, nullptr);
+  EXPECT_EQ(last->kind, Figure::Kind::kStackedBars);
+  EXPECT_EQ(last->categories, (std::vector<std::string>{"one_epoch (1 worker)", "two_epochs (2 workers)"}));
+  ASSERT_EQ(last->series.size(), 1u);
+  EXPECT_NEAR(last->series[0].y[0], 0.6, 1e-12);  // its one value
+  EXPECT_NEAR(last->series[0].y[1], 0.7, 1e-12);  // the last of two
+  const std::string g = gnuplot_script(*last);
+  EXPECT_NE(g.find("sprintf('%.4g'"), std::string::npos) << g;
+  EXPECT_EQ(g.find(" ms'"), std::string::npos) << g;
+
+  std::string every_step;
+  for (int s = 1; s <= 5; ++s) {
+    every_step += "{\"type\":\"log\",\"step\":" + std::to_string(s) + ",\"epoch\":0,\"time\":" + std::to_string(s) +
+                  ",\"grad_norm\":" + std::to_string(s) + "}\n";
+  }
+  std::vector<std::string> ids;
+  for (const auto& f : plan_figures({parse_run("c", config_text("c", 1), every_step, "")})) ids.push_back(f.id);
+  EXPECT_EQ(ids, (std::vector<std::string>{"grad_norm_vs_step", "grad_norm_vs_time"}));
 }
 
 // The restart and the redone work are not training: on time axes the line breaks at a resume.

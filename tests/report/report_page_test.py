@@ -5,18 +5,21 @@ loads arrive as structured events rather than log lines to scan.
 
   report_page_test.py --chorus build/bin/chorus [--screenshot OUT.png] [RUN_DIR ...]
 
-With no RUN_DIR, two runs of the same job at 1 and 2 workers are generated (make_runs.py, the
-2-worker one resumed). Checks, in order:
+With no RUN_DIR, two pages are checked: two runs of the same job at 1 and 2 workers for 3 epochs
+(make_runs.py, the 2-worker one resumed), and one run of one epoch. Checks, in order:
   1. the checker itself: a deliberately bad page (console.error, a thrown exception, a missing
      image) must give all three errors, so a clean result below means something;
   2. `chorus report RUN_DIR... -o OUT` exits 0 and prints OUT/index.html as its last line;
   3. the page loads nothing from elsewhere (no script, no src=, no external href or url());
   4. loaded in chromium: no console error, exception or failed load; every expected figure is
-     there (loss and throughput against step, loss against time, each user scalar against step
-     and time, the breakdown) and draws, for every run, a legend entry and a line with a point per
-     record (counted independently of chorus from metrics.jsonl here); the breakdown has every
-     run's bar label and the six phases; the runs table has a row per run;
-  5. a 1280x2400 screenshot is written to the temporary directory (and to --screenshot).
+     there (loss and throughput against step, loss against time, the breakdown, and each user
+     scalar as its logging calls for: with at most two values per run, a bar of each run's last
+     value; logged once per epoch, against epochs completed and time; else against step and time)
+     and draws, for every run, a legend entry and a line with a point per record (counted
+     independently of chorus from metrics.jsonl here); the breakdown has every run's bar label and
+     the six phases; the runs table has a row per run;
+  5. a 1280x2400 screenshot of each page is written to the temporary directory (and to
+     --screenshot, with the page's name before the extension when there are two).
 Exits 77 (skipped) when chromium is not installed.
 """
 import argparse
@@ -208,13 +211,30 @@ def expected_records(run_dir):
             elif o.get("type") == "log":
                 keys = [k for k, v in o.items() if k not in ("type", "step", "epoch", "time")
                         and isinstance(v, (int, float)) and not isinstance(v, bool)]
-                scalars.append((o["step"], keys))
+                scalars.append((o["step"], keys, o.get("epoch", 0), {k: o[k] for k in keys}))
     keys = []
-    for _, ks in scalars:
+    for _, ks, _, _ in scalars:
         keys += [k for k in ks if k not in keys]
-    points = {k: sum(1 for _, ks in scalars if k in ks) for k in keys}
+    points = {k: sum(1 for _, ks, _, _ in scalars if k in ks) for k in keys}
+    epochs = {k: [e for _, ks, e, _ in scalars if k in ks] for k in keys}
+    per_epoch = {k: len(set(epochs[k])) == len(epochs[k]) for k in keys}
+    last = {}
+    for _, _, _, vals in scalars:
+        last.update(vals)
     return {"name": config.get("run_name") or os.path.basename(os.path.normpath(run_dir)),
-            "world": config["world_size"], "steps": len(steps), "scalar_points": points}
+            "world": config["world_size"], "steps": len(steps), "scalar_points": points,
+            "scalar_per_epoch": per_epoch,
+            "scalar_last": last}
+
+
+def scalar_figures(key, runs):
+    """The figures chorus draws for a user scalar, by how the runs logged it (plan_figures)."""
+    stem = re.sub(r"[^A-Za-z0-9_-]", "_", key)
+    if max(r["scalar_points"].get(key, 0) for r in runs) <= 2:
+        return [stem + "_last"]
+    if all(r["scalar_per_epoch"].get(key, True) for r in runs):
+        return [stem + "_vs_epoch", stem + "_vs_time"]
+    return [stem + "_vs_step", stem + "_vs_time"]
 
 
 FIGURES_JS = r"""
@@ -251,8 +271,11 @@ def check_page(info, runs):
     for r in runs:
         keys += [k for k in r["scalar_points"] if k not in keys]
     expected = ["loss_vs_step", "loss_vs_time"]
+    key_of = {}
     for k in keys:
-        expected += [re.sub(r"[^A-Za-z0-9_-]", "_", k) + "_vs_step", re.sub(r"[^A-Za-z0-9_-]", "_", k) + "_vs_time"]
+        for fid in scalar_figures(k, runs):
+            expected.append(fid)
+            key_of[fid] = k
     expected += ["throughput_vs_step"]
     if len({r["world"] for r in runs}) >= 2:
         expected += ["throughput_vs_workers"]
@@ -280,6 +303,25 @@ def check_page(info, runs):
                     fail("step_breakdown's %r has %d filled boxes for %d runs" % (p["legend"], p["filled"], len(runs)))
             continue
         titled = [p for p in f["plots"] if p["legend"]]
+        if fid.endswith("_last"):
+            # A value per run: one bar (and the legend's sample box) per run that logged it, its run's
+            # label under it, the value printed above it.
+            key = key_of[fid]
+            having = [i for i, r in enumerate(runs) if r["scalar_points"].get(key, 0) > 0]
+            bars = [p for p in titled if p["legend"] == key]  # (the values' labels are a plot too)
+            if len(bars) != 1:
+                fail("%s has legend entries %s, expected one %r" % (fid, [p["legend"] for p in titled], key))
+            if bars[0]["filled"] < len(having) + 1:
+                fail("%s has %d filled boxes for %d runs" % (fid, bars[0]["filled"], len(having)))
+            if labels:
+                for i in having:
+                    if labels[i] not in f["texts"]:
+                        fail("%s has no bar labelled %r" % (fid, labels[i]))
+            for i in having:
+                value = "%.4g" % runs[i]["scalar_last"][key]
+                if value not in [t.strip() for t in f["texts"]]:
+                    fail("%s does not print run %d's last value %s above its bar: texts %s" % (fid, i, value, f["texts"]))
+            continue
         if fid == "throughput_vs_workers":
             worlds = sorted({r["world"] for r in runs})
             legends = [p["legend"] for p in titled]
@@ -297,8 +339,7 @@ def check_page(info, runs):
             if fid.startswith("loss_") or fid.startswith("throughput_"):
                 want = r["steps"]
             else:
-                key = keys[(expected.index(fid) - 2) // 2]
-                want = r["scalar_points"].get(key, 0)
+                want = r["scalar_points"].get(key_of[fid], 0)
             # Each point is one M or L (the legend's sample line adds 2); chorus draws at most about
             # 2000 points per line (FigureStyle::max_points), so a longer run needs 1000.
             want = min(want, 1000)
@@ -306,6 +347,47 @@ def check_page(info, runs):
                 fail("%s: the line of %r has %d points, expected at least %d (one per record)"
                      % (fid, titled[i]["legend"], titled[i]["points"], want))
     return sorted(figs)
+
+
+def check_report(chorus, chromium, tmp, name, run_dirs, shot_copy, t0):
+    """Steps 2-5 for one page: `chorus report RUN_DIRS`, checked as the module's docstring says."""
+    out_dir = os.path.join(tmp, name + "-report")
+    p = subprocess.run([chorus, "report"] + run_dirs + ["-o", out_dir], capture_output=True, text=True, timeout=120)
+    if p.returncode != 0:
+        fail("chorus report exited %d:\n%s%s" % (p.returncode, p.stdout, p.stderr))
+    index = os.path.join(out_dir, "index.html")
+    printed = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
+    if printed != index:
+        fail("chorus report printed %r, expected the page's path %r" % (printed, index))
+
+    # 3. Self-contained.
+    with open(index) as f:
+        html = f.read()
+    for pattern in (r"<script", r"\bsrc\s*=", r"<link", r"\bhref\s*=\s*[\"'](?!#)", r"url\((?!#)"):
+        m = re.search(pattern, html)
+        if m:
+            fail("the page refers to something outside itself: %r" % html[max(0, m.start() - 40):m.end() + 60])
+
+    # 4. In the browser.
+    runs = [expected_records(d) for d in run_dirs]
+    b = load(chromium, tmp, index)
+    try:
+        errs = b.errors()
+        if errs:
+            fail("the page gave browser errors:\n  " + "\n  ".join(errs))
+        info = b.evaluate(FIGURES_JS)
+        figs = check_page(info, runs)
+        # 5. What it looks like.
+        shot = os.path.join(tmp, name + "-screenshot.png")
+        b.screenshot(shot)
+    finally:
+        b.close()
+    if os.path.getsize(shot) < 20000:
+        fail("the screenshot is %d bytes: a blank page?" % os.path.getsize(shot))
+    if shot_copy:
+        shutil.copyfile(shot, shot_copy)
+    print("%s: %d runs, figures %s, no browser errors; screenshot %s (%.1f s)"
+          % (name, len(runs), ", ".join(figs), shot_copy or shot, time.monotonic() - t0))
 
 
 def main():
@@ -336,49 +418,21 @@ def main():
                 fail("the console check missed %r on the deliberately bad page; it saw %s" % (needle, errs))
         print("checker: the bad page gave %d errors, as it should" % len(errs))
 
-        # 2. The report.
-        run_dirs = a.run_dirs
-        if not run_dirs:
-            out = subprocess.run([sys.executable, os.path.join(HERE, "make_runs.py"), os.path.join(tmp, "runs")],
-                                 check=True, capture_output=True, text=True).stdout
-            run_dirs = out.split()
-        out_dir = os.path.join(tmp, "report")
-        p = subprocess.run([a.chorus, "report"] + run_dirs + ["-o", out_dir], capture_output=True, text=True, timeout=120)
-        if p.returncode != 0:
-            fail("chorus report exited %d:\n%s%s" % (p.returncode, p.stdout, p.stderr))
-        index = os.path.join(out_dir, "index.html")
-        printed = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
-        if printed != index:
-            fail("chorus report printed %r, expected the page's path %r" % (printed, index))
-
-        # 3. Self-contained.
-        with open(index) as f:
-            html = f.read()
-        for pattern in (r"<script", r"\bsrc\s*=", r"<link", r"\bhref\s*=\s*[\"'](?!#)", r"url\((?!#)"):
-            m = re.search(pattern, html)
-            if m:
-                fail("the page refers to something outside itself: %r" % html[max(0, m.start() - 40):m.end() + 60])
-
-        # 4. In the browser.
-        runs = [expected_records(d) for d in run_dirs]
-        b = load(chromium, tmp, index)
-        try:
-            errs = b.errors()
-            if errs:
-                fail("the page gave browser errors:\n  " + "\n  ".join(errs))
-            info = b.evaluate(FIGURES_JS)
-            figs = check_page(info, runs)
-            # 5. What it looks like.
-            shot = os.path.join(tmp, "screenshot.png")
-            b.screenshot(shot)
-        finally:
-            b.close()
-        if os.path.getsize(shot) < 20000:
-            fail("the screenshot is %d bytes: a blank page?" % os.path.getsize(shot))
-        if a.screenshot:
-            shutil.copyfile(shot, a.screenshot)
-        print("page: %d runs, figures %s, no browser errors; screenshot %s (%.1f s)"
-              % (len(runs), ", ".join(figs), a.screenshot or shot, time.monotonic() - t0))
+        # 2.-5. The report of the given runs, or of two generated sets of runs.
+        if a.run_dirs:
+            pages = [("page", a.run_dirs)]
+        else:
+            pages = []
+            for name, args in (("two-runs", []), ("one-epoch", ["--worlds", "1", "--epochs", "1"])):
+                out = subprocess.run([sys.executable, os.path.join(HERE, "make_runs.py"), os.path.join(tmp, name)] + args,
+                                     check=True, capture_output=True, text=True).stdout
+                pages.append((name, out.split()))
+        for name, run_dirs in pages:
+            shot_copy = None
+            if a.screenshot:
+                stem, ext = os.path.splitext(a.screenshot)
+                shot_copy = a.screenshot if len(pages) == 1 else "%s-%s%s" % (stem, name, ext)
+            check_report(a.chorus, chromium, tmp, name, run_dirs, shot_copy, t0)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -138,17 +138,26 @@ struct Figure {
   // kStackedBars: one bar per run (categories, the runs' labels), one segment per series (the
   // phases), series[i].y[j] = run j's mean of phase i.
   std::vector<std::string> categories;
-  // Line and point figures: the y axis starts at 0; x tics only at these values (none: gnuplot's).
+  // Line and point figures: the y axis starts at 0; x tics only at these values (none: gnuplot's);
+  // the x axis starts at 0.
   bool y_from_zero = false;
   std::vector<double> xtics;
+  bool x_from_zero = false;
+  // kStackedBars: how the total above each bar is printed (a gnuplot sprintf format).
+  std::string total_format = "%.1f ms";
 };
 
-// The page's figures, in page order: loss against step and against wall time, each user scalar
-// against step and wall time, throughput against step, throughput against workers (when the runs
-// have two or more world sizes: each size's mean samples/s, and linear scaling from the smallest),
-// the step-time breakdown. Every run with
-// data is one series of a line figure; a figure no run has data for is left out. Wall time is in
-// seconds, or minutes when the longest run is over 20 minutes.
+// The page's figures, in page order: loss against step and against wall time, each user scalar,
+// throughput against step, throughput against workers (when the runs have two or more world sizes:
+// each size's mean samples/s, and linear scaling from the smallest), the step-time breakdown. Every
+// run with data is one series of a line figure; a figure no run has data for is left out. Wall time
+// is in seconds, or minutes when the longest run is over 20 minutes.
+//
+// A user scalar is drawn by how it was logged: with at most two values in every run (a one- or
+// two-epoch job's test accuracy), as a value: a bar per run of its last value ("<key>_last");
+// logged at most once per epoch in every run (evaluation results), against epochs completed (the
+// record's epoch + 1, on an axis from 0) and wall time ("<key>_vs_epoch", "<key>_vs_time");
+// otherwise against step and wall time ("<key>_vs_step", "<key>_vs_time").
 //
 // The breakdown's phases are data, forward, backward's own work (backward_ms - comm_wait_ms: the
 // wait happens inside backward()), comm wait, optimizer and other (step_ms minus the rest: the
