@@ -14,14 +14,19 @@ function(chorus_add_test)
   set_tests_properties(${T_NAME} PROPERTIES TIMEOUT ${T_TIMEOUT} LABELS "${T_LABELS}")
 endfunction()
 
-# chorus_add_script_test(NAME name COMMAND cmd... LABELS ... TIMEOUT s): a test driven by a program or script.
+# chorus_add_script_test(NAME name COMMAND cmd... LABELS ... TIMEOUT s [SKIP_REGEX re]): a test driven
+# by a program or script (also a test executable run again with another --gtest_filter). SKIP_REGEX:
+# output that marks the test skipped (a parity test without its Python reference says "[  SKIPPED ]").
 function(chorus_add_script_test)
-  cmake_parse_arguments(T "" "NAME;TIMEOUT" "COMMAND;LABELS" ${ARGN})
+  cmake_parse_arguments(T "" "NAME;TIMEOUT;SKIP_REGEX" "COMMAND;LABELS" ${ARGN})
   if(NOT T_TIMEOUT OR NOT T_LABELS)
     message(FATAL_ERROR "chorus_add_script_test(${T_NAME}): TIMEOUT and LABELS are required")
   endif()
   add_test(NAME ${T_NAME} COMMAND ${T_COMMAND})
   set_tests_properties(${T_NAME} PROPERTIES TIMEOUT ${T_TIMEOUT} LABELS "${T_LABELS}")
+  if(T_SKIP_REGEX)
+    set_tests_properties(${T_NAME} PROPERTIES SKIP_REGULAR_EXPRESSION "${T_SKIP_REGEX}")
+  endif()
 endfunction()
 
 # chorus_export_library(chorus_comm comm): the library is installed and exported as chorus::comm,
