@@ -14,6 +14,7 @@
 #include "chorus/comm/error.h"
 #include "chorus/torch/compat.h"
 #include "chorus/torch/distributed.h"
+#include "chorus/torch/optimizer_bytes.h"
 
 namespace chorus::ddp {
 
@@ -42,20 +43,6 @@ std::vector<at::Tensor> all_params(const torch::optim::Optimizer& o) {
   std::vector<at::Tensor> out;
   for (const auto& group : o.param_groups()) out.insert(out.end(), group.params().begin(), group.params().end());
   return out;
-}
-
-std::string to_bytes(const torch::optim::Optimizer& o) {
-  torch::serialize::OutputArchive archive;
-  o.save(archive);
-  std::ostringstream out;
-  archive.save_to(out);
-  return out.str();
-}
-
-void from_bytes(const std::string& bytes, torch::optim::Optimizer& o) {
-  torch::serialize::InputArchive archive;
-  archive.load_from(bytes.data(), bytes.size());
-  o.load(archive);
 }
 
 // A copy that shares no tensor with s (OptimizerParamState::clone() shares them): through its
@@ -276,7 +263,7 @@ void ZeroRedundancyOptimizer::consolidate_state_dict(int to) {
                      std::to_string(m.world - 1) + ")");
   }
   m.consolidated.reset();  // the previous copy is stale; free it before gathering the new one
-  const std::string mine = to_bytes(*m.local);
+  const std::string mine = dist::optimizer_to_bytes(*m.local);
   int64_t length = static_cast<int64_t>(mine.size());
   std::vector<int64_t> lengths(static_cast<size_t>(m.world), 0);
   m.pg->gather(&length, lengths.data(), 1, DataType::kInt64, to)->wait();
@@ -303,7 +290,7 @@ void ZeroRedundancyOptimizer::consolidate_state_dict(int to) {
       continue;
     }
     auto part = m.make(m.params_of(r));
-    from_bytes(shards[static_cast<size_t>(r)], *part);
+    dist::optimizer_from_bytes(shards[static_cast<size_t>(r)], *part);
     for (auto& [key, state] : part->state()) full->state()[key] = std::move(state);
   }
   // Hyper-parameters as the local optimizer has them now (a scheduler may have changed the rate).

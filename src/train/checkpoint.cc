@@ -33,6 +33,7 @@
 #include "checkpoint_internal.h"
 #include "chorus/comm/random.h"
 #include "chorus/torch/distributed.h"
+#include "chorus/torch/optimizer_bytes.h"
 #include "pickle_bounds.h"
 
 namespace chorus::train {
@@ -137,20 +138,6 @@ void load_model(const std::string& bytes, torch::nn::Module& model) {
   for (auto& t : targets) t.tensor.copy_(saved.at(t.name));
 }
 
-std::string optimizer_bytes(torch::optim::Optimizer& optimizer) {
-  torch::serialize::OutputArchive archive;
-  optimizer.save(archive);
-  std::ostringstream os;
-  archive.save_to(os);
-  return os.str();
-}
-
-void load_optimizer(const std::string& bytes, torch::optim::Optimizer& optimizer) {
-  torch::serialize::InputArchive archive;
-  archive.load_from(bytes.data(), bytes.size());
-  optimizer.load(archive);
-}
-
 std::string rng_state() {
   at::Generator gen = at::detail::getDefaultCPUGenerator();
   at::Tensor state;
@@ -218,7 +205,7 @@ void write_version(const std::string& dir, torch::nn::Module& model, torch::opti
     hook(file);
   };
   write(ckpt::kModelFile, model_bytes(model));
-  if (optimizer != nullptr) write(ckpt::kOptimizerFile, optimizer_bytes(*optimizer));
+  if (optimizer != nullptr) write(ckpt::kOptimizerFile, dist::optimizer_to_bytes(*optimizer));
   if (!rng_states.empty()) write(ckpt::kRngFile, rng_bytes(rng_states));
 
   // state.json last: it is also the manifest of the files above.
@@ -356,7 +343,7 @@ std::optional<CheckpointState> load_checkpoint(const std::string& dir, torch::nn
         throw CheckpointError("the checkpoint holds no optimizer state (saved with optimizer == nullptr); "
                               "pass nullptr to load it without one");
       }
-      load_optimizer(it->second, *optimizer);
+      dist::optimizer_from_bytes(it->second, *optimizer);
     }
     if (auto it = blobs.find(ckpt::kRngFile); it != blobs.end()) load_rng(it->second, rank);
   } catch (const std::exception& e) {
