@@ -8,11 +8,12 @@
 #include <iomanip>
 
 #include "chorus/train/accelerator.h"
+#include "run_options.h"  // examples/common: the options every example shares
 #include "idx.h"
 #include "models.h"
 
 struct Job {
-  int nproc = 0, threads = 1;
+  int threads = 1;
   int64_t epochs = 1, batch_size = 64;
   double lr = 0.01, momentum = 0.9;
   std::string data = "/usr/share/datasets/fashion-mnist";
@@ -62,34 +63,18 @@ void train(const Job& cfg, chorus::train::AcceleratorOptions options) {
 
 int main(int argc, char** argv) {
   Job cfg;
-  chorus::train::AcceleratorOptions o;
-  o.run_name = "fashion_mnist";
-  o.seed = 1;
-  std::string precision = "no";
+  examples::RunOptions run;
+  run.accelerator.run_name = "fashion_mnist";
+  run.accelerator.seed = 1;
   CLI::App app{"Fashion-MNIST, data-parallel with the chorus Accelerator"};
-  app.add_option("--nproc", cfg.nproc, "start this many local ranks (when no launcher started this process)")
-      ->check(CLI::Range(0, 256));
   app.add_option("--data", cfg.data, "directory of the gzipped IDX files")->capture_default_str();
   app.add_option("--epochs", cfg.epochs, "epochs to train")->check(CLI::PositiveNumber)->capture_default_str();
-  app.add_option("--max-steps", o.max_steps, "stop after this many optimizer steps (0: no limit)");
   app.add_option("--batch-size", cfg.batch_size, "batch per rank")->check(CLI::PositiveNumber)->capture_default_str();
   app.add_option("--lr", cfg.lr, "SGD learning rate")->check(CLI::Range(0.0, 1e3))->capture_default_str();
   app.add_option("--threads", cfg.threads, "intra-op threads per rank")->check(CLI::Range(1, 1024));
-  app.add_option("--seed", o.seed, "seed of the weights, the data order and dropout");
-  app.add_option("--accumulate", o.gradient_accumulation_steps, "micro-batches per optimizer step");
-  app.add_option("--mixed-precision", precision, "no, bf16, or fp16 (CUDA)")->check(CLI::IsMember({"no", "bf16", "fp16"}));
-  app.add_option("--device", o.device, "cpu, cuda (cuda:LOCAL_RANK) or cuda:N")->capture_default_str();
-  app.add_option("--run-name", o.run_name, "records and state in runs/NAME")->capture_default_str();
-  app.add_option("--checkpoint-every", o.checkpoint_every, "also save the state every N steps");
-  auto* resume = app.add_flag("--resume", o.resume, "continue from the state saved in runs/NAME");
-  app.add_flag("--overwrite", o.overwrite, "delete the state saved in runs/NAME and start afresh")->excludes(resume);
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 2;  // --help, or a usage error
-  }
-  return chorus::train::run_job("fashion_mnist", cfg.nproc, [&] {
-    o.mixed_precision = chorus::train::parse_mixed_precision(precision);
-    train(cfg, o);
-  });
+  app.add_option("--accumulate", run.accelerator.gradient_accumulation_steps, "micro-batches per optimizer step");
+  app.add_option("--checkpoint-every", run.accelerator.checkpoint_every, "also save the state every N steps");
+  examples::add_run_options(app, run, "seed of the weights, the data order and dropout", "records and state in runs/NAME",
+                            /*devices=*/true);
+  return examples::parse_and_run(app, argc, argv, "fashion_mnist", run, [&](const auto& o) { train(cfg, o); });
 }

@@ -24,6 +24,7 @@
 #include "chorus/models/resnet.h"
 #include "chorus/models/state_dict.h"
 #include "chorus/train/accelerator.h"
+#include "run_options.h"  // examples/common: the options every example shares
 
 struct Job {
   std::string data, csv = "pairs.csv";
@@ -139,10 +140,9 @@ void train(const Job& job, chorus::train::AcceleratorOptions options) {
 
 int main(int argc, char** argv) {
   Job job;
-  chorus::train::AcceleratorOptions o;
-  o.run_name = "multilabel";
-  o.seed = 1;
-  int nproc = 0;
+  examples::RunOptions run;
+  run.accelerator.run_name = "multilabel";
+  run.accelerator.seed = 1;
   CLI::App app{"Multi-label image classification from a CSV dataset, data-parallel with the chorus Accelerator"};
   app.add_option("--data", job.data, "directory or s3://bucket/prefix holding the CSV and the images")->required();
   app.add_option("--csv", job.csv, "the CSV, relative to DATA")->capture_default_str();
@@ -158,17 +158,8 @@ int main(int argc, char** argv) {
   app.add_option("--lr", job.lr, "SGD learning rate")->capture_default_str();
   app.add_option("--threads", job.threads, "intra-op threads per rank")->check(CLI::Range(1, 1024));
   app.add_option("--loader-threads", job.loader_threads, "decode threads per rank")->check(CLI::Range(1, 256));
-  app.add_option("--seed", o.seed, "seed of the weights, the split, the data order and the augmentation");
-  app.add_option("--max-steps", o.max_steps, "stop after this many optimizer steps (0: no limit)");
   app.add_option("--scores-out", job.scores_out, "write the validation scores and labels here (rank 0, CSV)");
-  app.add_option("--run-name", o.run_name, "records, state and best.pt in runs/NAME")->capture_default_str();
-  app.add_option("--nproc", nproc, "start this many local ranks (when no launcher started this process)");
-  auto* resume = app.add_flag("--resume", o.resume, "continue from the state saved in runs/NAME");
-  app.add_flag("--overwrite", o.overwrite, "delete the state saved in runs/NAME and start afresh")->excludes(resume);
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 2;  // --help, or a usage error
-  }
-  return chorus::train::run_job("multilabel", nproc, [&] { train(job, o); });
+  examples::add_run_options(app, run, "seed of the weights, the split, the data order and the augmentation",
+                            "records, state and best.pt in runs/NAME", /*devices=*/false);
+  return examples::parse_and_run(app, argc, argv, "multilabel", run, [&](const auto& o) { train(job, o); });
 }

@@ -23,6 +23,7 @@
 #include "chorus/models/state_dict.h"
 #include "chorus/models/transfer.h"
 #include "chorus/train/accelerator.h"
+#include "run_options.h"  // examples/common: the options every example shares
 
 struct Job {
   std::string data;                  // DATA/train and DATA/test
@@ -121,10 +122,9 @@ void train(const Job& job, chorus::train::AcceleratorOptions options) {
 
 int main(int argc, char** argv) {
   Job job;
-  chorus::train::AcceleratorOptions o;
-  o.run_name = "transfer";
-  o.seed = 1;
-  int nproc = 0;
+  examples::RunOptions run;
+  run.accelerator.run_name = "transfer";
+  run.accelerator.seed = 1;
   CLI::App app{"ResNet-18 on an image folder, data-parallel with the chorus Accelerator; transfer learning"};
   app.add_option("--data", job.data, "directory or s3://bucket/prefix holding train/ and test/")->required();
   app.add_option("--classes", job.classes, "class folders to use, in label order (default: all)")->delimiter(',');
@@ -139,22 +139,7 @@ int main(int argc, char** argv) {
   app.add_option("--backbone-lr", job.backbone_lr, "SGD learning rate of the backbone")->capture_default_str();
   app.add_option("--threads", job.threads, "intra-op threads per rank")->check(CLI::Range(1, 1024));
   app.add_option("--loader-threads", job.loader_threads, "decode threads per rank")->check(CLI::Range(1, 256));
-  app.add_option("--seed", o.seed, "seed of the weights, the data order and the augmentation");
-  app.add_option("--max-steps", o.max_steps, "stop after this many optimizer steps (0: no limit)");
-  app.add_option("--run-name", o.run_name, "records and state in runs/NAME")->capture_default_str();
-  app.add_option("--nproc", nproc, "start this many local ranks (when no launcher started this process)");
-  app.add_option("--device", o.device, "cpu, cuda (cuda:LOCAL_RANK) or cuda:N")->capture_default_str();
-  std::string precision = "no";
-  app.add_option("--mixed-precision", precision, "no, bf16, or fp16 (CUDA)")->check(CLI::IsMember({"no", "bf16", "fp16"}));
-  auto* resume = app.add_flag("--resume", o.resume, "continue from the state saved in runs/NAME");
-  app.add_flag("--overwrite", o.overwrite, "delete the state saved in runs/NAME and start afresh")->excludes(resume);
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 2;  // --help, or a usage error
-  }
-  return chorus::train::run_job("transfer", nproc, [&] {
-    o.mixed_precision = chorus::train::parse_mixed_precision(precision);
-    train(job, o);
-  });
+  examples::add_run_options(app, run, "seed of the weights, the data order and the augmentation",
+                            "records and state in runs/NAME", /*devices=*/true);
+  return examples::parse_and_run(app, argc, argv, "transfer", run, [&](const auto& o) { train(job, o); });
 }
