@@ -497,6 +497,10 @@ std::vector<Figure> plan_figures(const std::vector<RunRecords>& runs) {
     const auto points = Figure::Kind::kPoints;
     if (shape.max_values <= 2) {
       add(last_value_figure(runs, key, stem + "_last"));
+      // Several runs: when each got there still compares them (the scaling curves' figure).
+      if (runs.size() > 1) {
+        add(line.make(stem + "_vs_time", key + " against wall time", key, points, XAxis::kTime, scalar(key)));
+      }
       continue;
     }
     if (shape.per_epoch) {

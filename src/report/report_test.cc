@@ -307,17 +307,22 @@ TEST(PlanFigures, RunsWithoutAScalarOrStepsAreLeftOutOfItsFigures) {
 }
 
 // A one-epoch job's test accuracy is one value: a bar per run with the value above it, not a lone
-// dot on a step axis. A scalar logged every step stays against step.
+// dot on a step axis (and, with several runs, against wall time too). A scalar logged every step
+// stays against step.
 TEST(PlanFigures, AScalarWithOneOrTwoValuesIsABarOfTheLastAndOneLoggedEveryStepStaysOnSteps) {
   const std::vector<RunRecords> runs = {parse_run("a", config_text("one_epoch", 1), metrics_text(40, 1, 40), ""),
                                         parse_run("b", config_text("two_epochs", 2), metrics_text(80, 2, 40), "")};
   const std::vector<Figure> figs = plan_figures(runs);
   const Figure* last = nullptr;
+  bool against_time = false;
   for (const auto& f : figs) {
     EXPECT_NE(f.id, "test_accuracy_vs_step");
-    EXPECT_NE(f.id, "test_accuracy_vs_time");
+    EXPECT_NE(f.id, "test_accuracy_vs_epoch");
     if (f.id == "test_accuracy_last") last = &f;
+    against_time = against_time || f.id == "test_accuracy_vs_time";  // two runs: when each got there
   }
+  EXPECT_TRUE(against_time);
+  for (const auto& f : plan_figures({runs[0]})) EXPECT_NE(f.id, "test_accuracy_vs_time");  // one run: the bar alone
   ASSERT_NE(last, nullptr);
   EXPECT_EQ(last->kind, Figure::Kind::kStackedBars);
   EXPECT_EQ(last->categories, (std::vector<std::string>{"one_epoch (1 worker)", "two_epochs (2 workers)"}));

@@ -14,7 +14,8 @@ With no RUN_DIR, two pages are checked: two runs of the same job at 1 and 2 work
   4. loaded in chromium: no console error, exception or failed load; every expected figure is
      there (loss and throughput against step, loss against time, the breakdown, and each user
      scalar as its logging calls for: with at most two values per run, a bar of each run's last
-     value; logged once per epoch, against epochs completed and time; else against step and time)
+     value (and against time when there are several runs); logged once per epoch, against epochs
+     completed and time; else against step and time)
      and draws, for every run, a legend entry and a line with a point per record (counted
      independently of chorus from metrics.jsonl here); the breakdown has every run's bar label and
      the six phases; the runs table has a row per run;
@@ -231,7 +232,7 @@ def scalar_figures(key, runs):
     """The figures chorus draws for a user scalar, by how the runs logged it (plan_figures)."""
     stem = re.sub(r"[^A-Za-z0-9_-]", "_", key)
     if max(r["scalar_points"].get(key, 0) for r in runs) <= 2:
-        return [stem + "_last"]
+        return [stem + "_last"] + ([stem + "_vs_time"] if len(runs) > 1 else [])
     if all(r["scalar_per_epoch"].get(key, True) for r in runs):
         return [stem + "_vs_epoch", stem + "_vs_time"]
     return [stem + "_vs_step", stem + "_vs_time"]

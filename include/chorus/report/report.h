@@ -154,7 +154,8 @@ struct Figure {
 // is in seconds, or minutes when the longest run is over 20 minutes.
 //
 // A user scalar is drawn by how it was logged: with at most two values in every run (a one- or
-// two-epoch job's test accuracy), as a value: a bar per run of its last value ("<key>_last");
+// two-epoch job's test accuracy), as a value: a bar per run of its last value ("<key>_last"), and
+// with several runs also against wall time, which compares when each got there ("<key>_vs_time");
 // logged at most once per epoch in every run (evaluation results), against epochs completed (the
 // record's epoch + 1, on an axis from 0) and wall time ("<key>_vs_epoch", "<key>_vs_time");
 // otherwise against step and wall time ("<key>_vs_step", "<key>_vs_time").
