@@ -91,13 +91,19 @@ two_hosts_down() {
 
 # two_hosts_traps: for a test script that keeps the pids of what it started in the hosts in the
 # array PIDS and its files in WORK. On exit (and on INT, TERM, HUP, as exits 130 and 143): SIGTERM
-# to those processes, then two_hosts_down, then their exits are reaped and WORK removed; the
-# script's exit status is kept.
+# to those processes, up to 10 s for them to exit (a dask-worker's nanny then stops its worker and
+# Python's resource tracker unlinks their semaphores in /dev/shm; SIGKILLed, they would stay), then
+# two_hosts_down, then their exits are reaped and WORK removed; the script's exit status is kept.
 two_hosts_cleanup() {
-  local rc=$? pid
+  local rc=$? pid i
   set +e
   for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null; done
-  sleep 0.2
+  for ((i = 0; i < 100; i++)); do
+    local alive=0
+    for pid in "${PIDS[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    ((alive)) || break
+    sleep 0.1
+  done
   two_hosts_down  # SIGKILLs whatever still runs inside the namespaces
   for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null; done
   [[ -n ${WORK:-} ]] && rm -rf "$WORK"
