@@ -183,6 +183,11 @@ Ticket ShmTransport::recv(int peer, const wire::Call& expect, void* data, size_t
 // meanwhile and checks the peers: a candidate that dies fails the probe (check_peer_state). One that
 // closed its group, whose next message is another one, or that waits for this rank at a native
 // collective's barrier cannot send it: when no candidate is left that can, the probe fails.
+bool ShmTransport::waits_at_barrier_ahead(int peer) const {
+  const SegHeader& theirs = hdr(peer);
+  return theirs.in_barrier.load(std::memory_order_acquire) != 0 && theirs.stage.load(std::memory_order_acquire) > stage_;
+}
+
 int ShmTransport::probe_any(const std::vector<int>& peers, int64_t tag) {
   probing_.assign(static_cast<size_t>(o_.size), 0);
   for (int p : peers) probing_[static_cast<size_t>(check_peer(p))] = 1;
@@ -191,9 +196,9 @@ int ShmTransport::probe_any(const std::vector<int>& peers, int64_t tag) {
     ~Clear() { v.assign(v.size(), 0); }
   } clear{probing_};
   int found = -1;
+  // Called on every spin of the wait: the reasons are put into words only when they are thrown.
   const auto arrived = [&] {
     bool can_still_send = false;
-    std::string blocked;  // candidates whose next message is another one
     for (int p : peers) {
       wire::Header h;
       if (receivers_[static_cast<size_t>(p)].peek_header(&h)) {
@@ -202,23 +207,25 @@ int ShmTransport::probe_any(const std::vector<int>& peers, int64_t tag) {
           found = p;
           return true;
         }
-        blocked += "; " + peer_name(p) + "'s next message is " + wire::describe(h);
-        continue;
+        continue;  // its next message is another one
       }
       const SegHeader& theirs = hdr(p);
-      if (theirs.state.load(std::memory_order_acquire) == kClosed) continue;
-      if (theirs.in_barrier.load(std::memory_order_acquire) != 0 && theirs.stage.load(std::memory_order_acquire) > stage_) {
-        blocked += "; " + peer_name(p) + " is in " + wire::describe(current_call(p)) + ", waiting for this rank";
-        continue;
-      }
+      if (theirs.state.load(std::memory_order_acquire) == kClosed || waits_at_barrier_ahead(p)) continue;
       can_still_send = true;
     }
-    if (!can_still_send) {
-      throw MismatchError(prefix() + " from any source: no rank it could come from can send a message with tag " +
-                          std::to_string(tag) + " (the others closed their group)" + blocked +
-                          "; every recv from any source needs a matching send");
+    if (can_still_send) return false;
+    std::string blocked;  // candidates whose next message is another one, or that wait for this rank
+    for (int p : peers) {
+      wire::Header h;
+      if (receivers_[static_cast<size_t>(p)].peek_header(&h)) {
+        blocked += "; " + peer_name(p) + "'s next message is " + wire::describe(h);
+      } else if (waits_at_barrier_ahead(p)) {
+        blocked += "; " + peer_name(p) + " is in " + wire::describe(current_call(p)) + ", waiting for this rank";
+      }
     }
-    return false;
+    throw MismatchError(prefix() + " from any source: no rank it could come from can send a message with tag " +
+                        std::to_string(tag) + " (the others closed their group)" + blocked +
+                        "; every recv from any source needs a matching send");
   };
   wait_until(arrived, "a message from any source");
   return found;

@@ -89,6 +89,8 @@ class ShmTransport final : public ShmTransportApi, private CollectiveAreas {
   void check_same_buffer(int peer, const Desc& d) const;
   wire::Call current_call(int peer) const;
   bool gone(int peer) const;
+  // `peer` waits at a native collective's barrier that this rank has not reached: it cannot send.
+  bool waits_at_barrier_ahead(int peer) const;
   bool waiting_on(int peer) const;
   [[noreturn]] void fail_timeout(const char* what);
 

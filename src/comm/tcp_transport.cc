@@ -86,19 +86,24 @@ int TcpTransport::probe_any(const std::vector<int>& peers, int64_t tag) {
   if (closed_ || aborted_) throw PeerError(prefix() + ": the transport is closed");
   for (;;) {
     bool can_still_send = false;
-    std::string blocked;  // candidates whose next message is another one
     for (int p : peers) {
       Conn& c = conn(p);
       if (c.inbox_size() >= sizeof(wire::Header)) {
         const wire::Header h = peek_header(c);
         if (h.magic != wire::kMessageMagic || h.kind == wire::Kind::kAbort) handle_control(c, h);  // throws
         if (h.kind == wire::Kind::kData && h.op == wire::OpType::kSend && h.arg == tag) return p;
-        if (h.kind == wire::Kind::kData) blocked += "; " + peer_name(p) + "'s next message is " + wire::describe(h);
         continue;  // its next message is another one, or a goodbye: it cannot send this one
       }
       if (!c.said_goodbye && !c.quiet_hup) can_still_send = true;
     }
     if (!can_still_send) {
+      std::string blocked;  // candidates whose next message is another one
+      for (int p : peers) {
+        const Conn& c = conns_[static_cast<size_t>(p)];
+        if (c.inbox_size() < sizeof(wire::Header)) continue;
+        const wire::Header h = peek_header(c);
+        if (h.kind == wire::Kind::kData) blocked += "; " + peer_name(p) + "'s next message is " + wire::describe(h);
+      }
       throw MismatchError(prefix() + " from any source: no rank it could come from can send a message with tag " +
                           std::to_string(tag) + " (the others closed their group)" + blocked +
                           "; every recv from any source needs a matching send");

@@ -30,11 +30,14 @@ std::FILE* open_file(const std::string& path, bool fresh) {
   return f;
 }
 
-void put_line(std::FILE* f, const nlohmann::json& j) {
+void put_text(std::FILE* f, const std::string& text) {
   if (f == nullptr) return;
-  const std::string text = j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   std::fwrite(text.data(), 1, text.size(), f);
   std::fputc('\n', f);
+}
+
+void put_line(std::FILE* f, const nlohmann::json& j) {
+  put_text(f, j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
 }
 
 std::string rank_name(int rank) { return "rank-" + std::to_string(rank); }
@@ -65,7 +68,7 @@ StepRow StepRow::from_doubles(const double* in) {
 }
 
 // The line is chorus report's definition (report::format_step_line), so writer and reader agree.
-nlohmann::json StepRow::to_json() const {
+std::string StepRow::to_line() const {
   report::StepRecord r;
   r.step = step;
   r.epoch = epoch;
@@ -80,7 +83,7 @@ nlohmann::json StepRow::to_json() const {
   r.optimizer_ms = optimizer_ms;
   r.comm_ms = comm_ms;
   r.comm_wait_ms = comm_wait_ms;
-  return nlohmann::json::parse(report::format_step_line(r));
+  return report::format_step_line(r);
 }
 
 StepRow aggregate_rows(const std::vector<StepRow>& ranks) {
@@ -154,8 +157,12 @@ void RunRecorder::open(bool fresh) {
 }
 
 void RunRecorder::put_aggregate(const nlohmann::json& object) {
-  put_line(aggregate_file_, object);
-  put_line(mirror_file_, object);
+  put_aggregate_text(object.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+}
+
+void RunRecorder::put_aggregate_text(const std::string& line) {
+  put_text(aggregate_file_, line);
+  put_text(mirror_file_, line);
 }
 
 void RunRecorder::rewind(int64_t step) {
@@ -191,9 +198,9 @@ void RunRecorder::close() {
   }
 }
 
-void RunRecorder::step(const StepRow& row) { put_line(rank_file_, row.to_json()); }
+void RunRecorder::step(const StepRow& row) { put_text(rank_file_, row.to_line()); }
 
-void RunRecorder::aggregate(const StepRow& row) { put_aggregate(row.to_json()); }
+void RunRecorder::aggregate(const StepRow& row) { put_aggregate_text(row.to_line()); }
 
 void RunRecorder::line(nlohmann::json object, bool to_aggregate) {
   put_line(rank_file_, object);

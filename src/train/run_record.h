@@ -38,7 +38,7 @@ struct StepRow {
   static constexpr int kFields = 13;
   void to_doubles(double* out) const;
   static StepRow from_doubles(const double* in);
-  nlohmann::json to_json() const;
+  std::string to_line() const;  // the step line of metrics files (report::format_step_line)
 };
 
 // Rows of the same step from every rank, to the aggregate's row: loss and phases averaged, samples
@@ -79,6 +79,7 @@ class RunRecorder {
  private:
   void close();
   void put_aggregate(const nlohmann::json& object);  // the aggregate, and its mirror
+  void put_aggregate_text(const std::string& line);
 
   std::string dir_;
   int rank_ = 0;
