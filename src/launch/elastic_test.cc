@@ -246,7 +246,7 @@ TEST(RoundEndRecord, RoundTripsEveryReasonAndRefusesDamagedOnes) {
     EXPECT_EQ(back.detail, e.detail) << encode(e);
   }
   EXPECT_EQ(encode({RoundEnd::Reason::kFailure, "node 0: x"}), "failure: node 0: x");  // docs/elastic.md's form
-  for (const std::string bad : std::vector<std::string>{"", "Done", "failure", "membership:x", "\x1b[2Jfailure: x"}) {
+  for (const std::string& bad : std::vector<std::string>{"", "Done", "failure", "membership:x", "\x1b[2Jfailure: x"}) {
     try {
       decode_round_end(bad);
       ADD_FAILURE() << "accepted '" << bad << "'";
