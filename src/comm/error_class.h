@@ -27,4 +27,22 @@ uint8_t error_class_of(const std::exception& e);
 std::exception_ptr make_error(uint8_t error_class, const std::string& message);
 [[noreturn]] void throw_error(uint8_t error_class, const std::string& message);
 
+// Marks an error whose message already begins with this rank ("chorus: rank N: ..."), thrown
+// where the rank is at hand, so that code adding the rank to errors passing through it (the
+// process group's setup) adds it once. A flag on the type, not a match on the text: a peer's
+// message relayed here names the peer's rank and is rebuilt by make_error without the mark.
+class NamesRank {
+ public:
+  virtual ~NamesRank() = default;
+};
+
+// `E` (a chorus error type) marked NamesRank; catch sites see an `E`.
+template <class E>
+class Ranked : public E, public NamesRank {
+ public:
+  using E::E;
+};
+
+inline bool names_rank(const std::exception& e) { return dynamic_cast<const NamesRank*>(&e) != nullptr; }
+
 }  // namespace chorus::transport

@@ -14,6 +14,7 @@
 
 #include "chorus/comm/error.h"
 #include "chorus/comm/process_group.h"
+#include "chorus/comm/tcp_store.h"
 #include "testing.h"
 
 namespace chorus {
@@ -58,6 +59,15 @@ std::string outcome(F&& op) {
   } catch (const std::exception& e) {
     return std::string("other error: ") + e.what();
   }
+}
+
+// How often `text` names `rank` as the rank reporting ("chorus: rank R:"): a setup error names it
+// once, whether the message came from the transport (which knows the rank) or from the store.
+int times_named(const std::string& text, int rank) {
+  const std::string me = "chorus: rank " + std::to_string(rank) + ":";
+  int n = 0;
+  for (size_t p = text.find(me); p != std::string::npos; p = text.find(me, p + 1)) ++n;
+  return n;
 }
 
 double elapsed_of(const std::string& text) {
@@ -312,6 +322,7 @@ TEST_P(Failure, PeerWithWrongTokenOrWorldSizeIsRefused) {
   EXPECT_NE(reports[1].text.find("token"), std::string::npos);
   // Over TCP rank 0 waits for a rank that never joined; over shared memory it sees the stranger too.
   EXPECT_TRUE(reports[0].text.rfind("TimeoutError", 0) == 0 || reports[0].text.rfind("HandshakeError", 0) == 0);
+  for (const auto& r : reports) EXPECT_EQ(times_named(r.text, r.rank), 1) << r.text;
 
   auto sizes = testing::run_ranks_independent(2, [&](int rank, int w) -> std::string {
     // Rank 1 believes the world has 3 ranks; store keys still line up for ranks 0 and 1.
@@ -322,6 +333,28 @@ TEST_P(Failure, PeerWithWrongTokenOrWorldSizeIsRefused) {
   EXPECT_EQ(sizes[0].text.rfind("HandshakeError", 0), 0u);
   EXPECT_NE(sizes[0].text.find("world size"), std::string::npos);
   EXPECT_NE(sizes[1].text.find("world size"), std::string::npos);
+  for (const auto& r : sizes) EXPECT_EQ(times_named(r.text, r.rank), 1) << r.text;
+}
+
+// A setup error from code that does not know the rank (here the store, whose server went away)
+// gets the rank and group in front, once; the transports' own errors (above) name the rank once too.
+TEST(Setup, StoreFailureNamesTheRankAndGroupOnce) {
+  TcpStoreServerOptions so;
+  so.host = "127.0.0.1";
+  so.quiet = true;
+  auto server = std::make_unique<TcpStoreServer>(so);
+  TcpStoreOptions co;
+  co.port = server->port();
+  co.timeout = milliseconds(2000);
+  auto store = std::make_shared<TcpStore>(co);
+  server.reset();
+  ProcessGroupOptions o;
+  o.group_name = "setup-test";
+  o.timeout = milliseconds(2000);
+  const std::string text = outcome([&] { ProcessGroup pg(store, 1, 2, o); });
+  EXPECT_EQ(text.rfind("PeerError", 0), 0u) << text;
+  EXPECT_EQ(times_named(text, 1), 1) << text;
+  EXPECT_NE(text.find("chorus: rank 1: group 'setup-test' setup: "), std::string::npos) << text;
 }
 
 // Over TCP a rank waiting for an absent one must not blame a live rank: every rank serves its
@@ -343,6 +376,7 @@ TEST(TcpSetup, TimeoutNamesTheMissingRankAndNoLiveOne) {
       EXPECT_EQ(r.text.rfind("TimeoutError", 0), 0u);
       EXPECT_NE(r.text.find("rank(s) [3] never"), std::string::npos);
       EXPECT_LT(elapsed_of(r.text), 3.0);
+      EXPECT_EQ(times_named(r.text, r.rank), 1);
       for (int live = 0; live < world; ++live) {
         if (live == absent || live == r.rank) continue;
         const std::string l = std::to_string(live);

@@ -11,6 +11,7 @@
 #include "chorus/comm/error.h"
 #include "chorus/comm/hash.h"
 #include "chorus/comm/store.h"
+#include "error_class.h"
 #include "transport.h"
 
 namespace chorus::transport {
@@ -48,11 +49,11 @@ std::vector<Announcement> exchange_announcements(Store& store, const std::string
     std::getline(in, a.extra);
     const std::string who = "chorus: rank " + std::to_string(rank) + ": rank " + std::to_string(r);
     if (their_size != std::to_string(size)) {
-      throw HandshakeError(who + " has world size " + their_size + " but this rank has " + std::to_string(size) +
+      throw Ranked<HandshakeError>(who + " has world size " + their_size + " but this rank has " + std::to_string(size) +
                            "; every rank of a group must be started with the same world size");
     }
     if (their_token != token_hash) {
-      throw HandshakeError(who + " has a different job token; it belongs to another job (or CHORUS_JOB_TOKEN "
+      throw Ranked<HandshakeError>(who + " has a different job token; it belongs to another job (or CHORUS_JOB_TOKEN "
                            "differs between the ranks)");
     }
     have[static_cast<size_t>(r)] = true;
@@ -75,7 +76,7 @@ std::vector<Announcement> exchange_announcements(Store& store, const std::string
     if (missing_keys.empty()) break;
     auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     if (left.count() <= 0) {
-      throw TimeoutError("chorus: rank " + std::to_string(rank) + ": group setup: rank(s) [" + missing +
+      throw Ranked<TimeoutError>("chorus: rank " + std::to_string(rank) + ": group setup: rank(s) [" + missing +
                          "] never announced themselves in the store under " + key_prefix +
                          "/: they are missing (not started, crashed before creating the group, or creating "
                          "another group)");

@@ -22,6 +22,7 @@
 #include "algorithms.h"
 #include "chorus/comm/error.h"
 #include "chorus/comm/store.h"
+#include "error_class.h"
 #include "plan.h"
 #include "reduce.h"
 #include "transport.h"
@@ -29,7 +30,7 @@
 namespace chorus::transport {
 
 int Transport::probe_any(const std::vector<int>&, int64_t) {
-  throw UsageError("chorus: rank " + std::to_string(rank()) + ": the " + kind() +
+  throw Ranked<UsageError>("chorus: rank " + std::to_string(rank()) + ": the " + kind() +
                    " transport cannot receive from any source (it cannot look at a message before taking it); "
                    "name the sender (recv with src=) or use the tcp, shm or hybrid transport");
 }

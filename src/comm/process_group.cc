@@ -12,6 +12,7 @@
 #include "chorus/comm/log.h"
 #include "chorus/comm/rendezvous.h"
 #include "chorus/comm/signals.h"
+#include "error_class.h"
 #include "plan.h"
 #include "process_group_impl.h"
 
@@ -35,7 +36,7 @@ std::shared_ptr<Work> ProcessGroup::Impl::enqueue(wire::OpType op, DataType dtyp
                                                   int p2p_peer,
                                                   std::function<transport::Ticket(const wire::Call&)> post) {
   std::unique_lock<std::mutex> lock(mu);
-  if (stopping) throw UsageError(me() + ": " + wire::op_name(op) + " called on a process group that was shut down");
+  if (stopping) throw transport::Ranked<UsageError>(me() + ": " + wire::op_name(op) + " called on a process group that was shut down");
   wire::Call call;
   call.op = op;
   call.dtype = dtype;
@@ -78,7 +79,7 @@ std::shared_ptr<Work> ProcessGroup::Impl::enqueue_p2p(wire::OpType op, DataType 
 std::shared_ptr<Work> ProcessGroup::Impl::enqueue_recv_any(DataType dtype, uint64_t count, int64_t tag,
                                                           std::function<void(WorkImpl&, const wire::Call&)> run) {
   std::unique_lock<std::mutex> lock(mu);
-  if (stopping) throw UsageError(me() + ": recv called on a process group that was shut down");
+  if (stopping) throw transport::Ranked<UsageError>(me() + ": recv called on a process group that was shut down");
   wire::Call call;
   call.op = wire::OpType::kRecv;
   call.dtype = dtype;
@@ -177,7 +178,7 @@ void ProcessGroup::Impl::execute_p2p(std::vector<Task>& run) {
 
 std::shared_ptr<Work> ProcessGroup::Impl::enqueue_local(std::string what, std::function<void()> fn) {
   std::unique_lock<std::mutex> lock(mu);
-  if (stopping) throw UsageError(me() + ": " + what + " called on a process group that was shut down");
+  if (stopping) throw transport::Ranked<UsageError>(me() + ": " + what + " called on a process group that was shut down");
   auto work = std::make_shared<WorkImpl>("rank " + std::to_string(rank) + ": " + what, this);
   if (broken.load(std::memory_order_acquire)) {
     work->finish(not_run(what));
@@ -426,11 +427,11 @@ ProcessGroup::ProcessGroup(std::shared_ptr<Store> store, int rank, int size, Pro
     t = make_transport(&recording, to, options, kind, size);
     if (size > 1) release_setup_keys(*m.store, to.key_prefix, rank, size, recording.written());
   } catch (const std::exception& e) {
-    // Name the rank and group on every setup error (store, connect, handshake, accept).
-    const std::string what = e.what();
+    // Name the rank and group on every setup error (store, connect, handshake, accept) that does
+    // not name this rank already.
+    if (transport::names_rank(e)) throw;
     const std::string prefix = "chorus: rank " + std::to_string(rank) + ": group '" + options.group_name + "' setup: ";
-    const std::string msg = what.rfind("chorus: rank", 0) == 0 ? what : prefix + what;
-    std::rethrow_exception(make_error(error_class_of(e), msg));
+    std::rethrow_exception(make_error(error_class_of(e), prefix + e.what()));
   }
   m.start(this, std::move(t));
 }

@@ -19,6 +19,7 @@
 #include "algorithms.h"
 #include "chorus/comm/error.h"
 #include "chorus/comm/process_group.h"
+#include "error_class.h"
 #include "message.h"
 #include "socket.h"
 #include "transport.h"
@@ -179,12 +180,12 @@ struct ProcessGroup::Impl final : detail::InlineRunner {
 
   void check_root(int root, const char* op) const {
     if (root < 0 || root >= size) {
-      throw UsageError(me() + ": " + op + ": root " + std::to_string(root) + " is not a rank of this group of size " +
+      throw transport::Ranked<UsageError>(me() + ": " + op + ": root " + std::to_string(root) + " is not a rank of this group of size " +
                        std::to_string(size));
     }
   }
   void check_buffer(const void* p, size_t count, const char* op) const {
-    if (p == nullptr && count > 0) throw UsageError(me() + ": " + op + ": null buffer for " + std::to_string(count) + " elements");
+    if (p == nullptr && count > 0) throw transport::Ranked<UsageError>(me() + ": " + op + ": null buffer for " + std::to_string(count) + " elements");
   }
 
   // The group over `t`, an already connected transport (MPI's, which needs no store): rank, size

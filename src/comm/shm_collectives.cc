@@ -10,6 +10,7 @@
 
 #include "chorus/comm/error.h"
 #include "chorus/comm/log.h"
+#include "error_class.h"
 #include "plan.h"
 #include "reduce.h"
 
@@ -247,7 +248,7 @@ std::shared_ptr<SharedRegion> ShmNativeCollectives::allocate_shared(size_t bytes
     rec.text[sizeof(rec.text) - 1] = '\0';
     void* pb = map_buffer_copy(rec.text, len, &err);
     if (pb == nullptr) {
-      throw Error(me() + ": cannot map " + a_.peer_name(r) + "'s shared buffer " + rec.text + ": " + std::strerror(err));
+      throw Ranked<Error>(me() + ": cannot map " + a_.peer_name(r) + "'s shared buffer " + rec.text + ": " + std::strerror(err));
     }
     region->set_base(r, pb);
   }

@@ -18,6 +18,7 @@
 #include <random>
 
 #include "chorus/comm/error.h"
+#include "error_class.h"
 
 namespace chorus::transport {
 namespace shm {
@@ -94,12 +95,12 @@ void sweep_stale_segments() {
 
 int create_segment(const std::string& name, size_t bytes, const std::string& who) {
   const int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
-  if (fd < 0) throw Error(who + ": cannot create shared memory " + name + ": " + std::strerror(errno));
+  if (fd < 0) throw Ranked<Error>(who + ": cannot create shared memory " + name + ": " + std::strerror(errno));
   const int err = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
   if (err != 0) {
     ::close(fd);
     ::shm_unlink(name.c_str());
-    throw UsageError(who + ": cannot reserve " + std::to_string(bytes) + " bytes of shared memory for " + name + ": " +
+    throw Ranked<UsageError>(who + ": cannot reserve " + std::to_string(bytes) + " bytes of shared memory for " + name + ": " +
                      std::strerror(err) +
                      (err == ENOSPC ? std::string(" (/dev/shm is full or too small: each rank needs about this "
                                                   "much; in a container raise --shm-size, or use transport 'tcp')")
@@ -112,7 +113,7 @@ Segment map_segment(int fd, size_t bytes, const std::string& who) {
   void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   const int err = errno;
   ::close(fd);
-  if (p == MAP_FAILED) throw Error(who + ": mmap of shared memory failed: " + std::strerror(err));
+  if (p == MAP_FAILED) throw Ranked<Error>(who + ": mmap of shared memory failed: " + std::strerror(err));
   Segment s;
   s.base = p;
   s.bytes = bytes;

@@ -20,6 +20,7 @@
 #include "chorus/comm/error.h"
 #include "chorus/comm/hash.h"
 #include "chorus/comm/store.h"
+#include "error_class.h"
 
 namespace chorus::transport {
 namespace shm {
@@ -78,13 +79,13 @@ void ShmTransport::map_peers(const SegHeader& mine) {
     const std::string& their_host = all[static_cast<size_t>(r)].host;
     const std::string& their_name = all[static_cast<size_t>(r)].extra;
     if (their_host != host) {
-      throw UsageError(me() + ": transport 'shm' needs every rank on one host, but rank " +
+      throw Ranked<UsageError>(me() + ": transport 'shm' needs every rank on one host, but rank " +
                        std::to_string(global_rank(r)) + " is on another (" + their_host + " vs " + host +
                        "); use transport 'hybrid' or 'auto'");
     }
     int pfd = ::shm_open(their_name.c_str(), O_RDWR | O_CLOEXEC, 0600);
     if (pfd < 0) {
-      throw Error(me() + ": cannot open rank " + std::to_string(r) + "'s shared memory " + their_name + ": " +
+      throw Ranked<Error>(me() + ": cannot open rank " + std::to_string(r) + "'s shared memory " + their_name + ": " +
                   std::strerror(errno));
     }
     segs_[static_cast<size_t>(r)] = map_segment(pfd, layout_.seg_bytes, me());
@@ -92,7 +93,7 @@ void ShmTransport::map_peers(const SegHeader& mine) {
     if (ph.magic != kSegMagic || ph.token_hash != mine.token_hash || ph.size != n ||
         ph.ring_bytes != mine.ring_bytes || ph.collective_bytes != mine.collective_bytes ||
         ph.small_bytes != o_.small_bytes) {
-      throw HandshakeError(me() + ": rank " + std::to_string(r) + "'s shared memory belongs to another job or "
+      throw Ranked<HandshakeError>(me() + ": rank " + std::to_string(r) + "'s shared memory belongs to another job or "
                            "configuration (job token, world size or shared-memory sizes differ: every rank needs the same "
                            "shm_chunk_bytes and shm_small_bytes)");
     }
@@ -105,7 +106,7 @@ void ShmTransport::wait_until_all_mapped() {
   const std::string count = o_.key_prefix + "/shm/mapped";
   o_.store->add(count, 1);
   while (o_.store->add(count, 0) < n) {
-    if (Clock::now() > o_.deadline) throw TimeoutError(me() + ": shared-memory setup timed out waiting for the other ranks to map");
+    if (Clock::now() > o_.deadline) throw Ranked<TimeoutError>(me() + ": shared-memory setup timed out waiting for the other ranks to map");
     for (int r = 0; r < n; ++r) {
       if (r == o_.rank) continue;
       const SegHeader& ph = hdr(r);
@@ -117,7 +118,7 @@ void ShmTransport::wait_until_all_mapped() {
       if (st == kAborted) {
         throw_error(ph.error_class, me() + ": " + peer_name(r) + " failed during shared-memory setup: " + ph.message);
       }
-      throw PeerError(me() + ": " + peer_name(r) + " failed or exited during shared-memory setup");
+      throw Ranked<PeerError>(me() + ": " + peer_name(r) + " failed or exited during shared-memory setup");
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
@@ -135,7 +136,7 @@ int ShmTransport::global_rank(int local) const {
 
 int ShmTransport::check_peer(int peer) const {
   if (peer < 0 || peer >= o_.size || peer == o_.rank) {
-    throw UsageError(me() + ": invalid peer rank " + std::to_string(peer));
+    throw Ranked<UsageError>(me() + ": invalid peer rank " + std::to_string(peer));
   }
   return peer;
 }
@@ -202,7 +203,7 @@ int ShmTransport::probe_any(const std::vector<int>& peers, int64_t tag) {
     for (int p : peers) {
       wire::Header h;
       if (receivers_[static_cast<size_t>(p)].peek_header(&h)) {
-        if (h.magic != wire::kMessageMagic) throw PeerError(prefix() + ": corrupt message from " + peer_name(p) + " (bad magic)");
+        if (h.magic != wire::kMessageMagic) throw Ranked<PeerError>(prefix() + ": corrupt message from " + peer_name(p) + " (bad magic)");
         if (h.op == wire::OpType::kSend && h.arg == tag) {
           found = p;
           return true;
@@ -223,7 +224,7 @@ int ShmTransport::probe_any(const std::vector<int>& peers, int64_t tag) {
         blocked += "; " + peer_name(p) + " is in " + wire::describe(current_call(p)) + ", waiting for this rank";
       }
     }
-    throw MismatchError(prefix() + " from any source: no rank it could come from can send a message with tag " +
+    throw Ranked<MismatchError>(prefix() + " from any source: no rank it could come from can send a message with tag " +
                         std::to_string(tag) + " (the others closed their group)" + blocked +
                         "; every recv from any source needs a matching send");
   };
@@ -263,13 +264,13 @@ bool ShmTransport::pump_recv(int peer) {
     RecvItem& r = q.front();
     const auto check = [&](const wire::Header& h) {
       if (h.magic != wire::kMessageMagic) {
-        throw PeerError(prefix() + ": corrupt message from " + peer_name(peer) + " (bad magic)");
+        throw Ranked<PeerError>(prefix() + ": corrupt message from " + peer_name(peer) + " (bad magic)");
       }
       if (!wire::same_call(h, r.expect)) {
         throw MismatchError(wire::mismatch_message(me(), r.expect, peer_name(peer), "called " + wire::describe(h)));
       }
       if (h.payload != r.n) {
-        throw MismatchError(prefix() + ": " + peer_name(peer) + " sent " + std::to_string(h.payload) +
+        throw Ranked<MismatchError>(prefix() + ": " + peer_name(peer) + " sent " + std::to_string(h.payload) +
                             " bytes where this rank expected " + std::to_string(r.n));
       }
     };

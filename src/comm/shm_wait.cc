@@ -16,6 +16,7 @@
 #include <sstream>
 
 #include "chorus/comm/error.h"
+#include "error_class.h"
 #include "shm_transport.h"
 
 namespace chorus::transport::shm {
@@ -46,7 +47,7 @@ void ShmTransport::ring_all() {
 }
 
 void ShmTransport::wait_until(const std::function<bool()>& done, const char* what) {
-  if (aborted_ || closed_) throw PeerError(prefix() + ": the transport is closed");
+  if (aborted_ || closed_) throw Ranked<PeerError>(prefix() + ": the transport is closed");
   for (;;) {
     if (pump() && done()) return;
     if (done()) return;
@@ -159,7 +160,7 @@ void ShmTransport::check_same_buffer(int peer, const Desc& d) const {
     return r == 0 ? std::string("ordinary memory")
                   : "shared buffer #" + std::to_string(r - 1) + " at byte " + std::to_string(o);
   };
-  throw MismatchError(me() + ": " + wire::describe(call_) + ": this rank's data is in " + where(mr, mo) + " but " +
+  throw Ranked<MismatchError>(me() + ": " + wire::describe(call_) + ": this rank's data is in " + where(mr, mo) + " but " +
                       peer_name(peer) + "'s is in " + where(tr, to) +
                       "; buffers from ProcessGroup::allocate_buffer must be used the same way on every rank "
                       "(the same buffer and range everywhere, or none)");
@@ -217,7 +218,7 @@ void ShmTransport::check_peer_state(int p) {
     // probe_any passes over a candidate that closed its group or cannot send now; one that died
     // fails it, as a dead peer fails any operation that waits on it.
     if (st != kClosed && gone(p)) {
-      throw PeerError(prefix() + " from any source: peer " + peer_name(p) + " died (its process is gone) [after " +
+      throw Ranked<PeerError>(prefix() + " from any source: peer " + peer_name(p) + " died (its process is gone) [after " +
                       net::format_duration(Clock::now() - start_) + "]");
     }
     return;
@@ -240,10 +241,10 @@ void ShmTransport::check_peer_state(int p) {
   pump();
   if (!waiting_on(p)) return;
   if (st == kClosed) {
-    throw PeerError(prefix() + ": peer " + peer_name(p) + " has closed its process group (it finished or "
+    throw Ranked<PeerError>(prefix() + ": peer " + peer_name(p) + " has closed its process group (it finished or "
                     "destroyed the group) but this operation still needs it");
   }
-  throw PeerError(prefix() + ": peer " + peer_name(p) + " died (its process is gone) [after " +
+  throw Ranked<PeerError>(prefix() + ": peer " + peer_name(p) + " died (its process is gone) [after " +
                   net::format_duration(Clock::now() - start_) + "]");
 }
 

@@ -9,6 +9,7 @@
 // serialise. With a socket per direction they proceed independently (about 1.2-1.6x the
 // bidirectional throughput over loopback on the 2-core reference machine).
 
+#include "error_class.h"
 #include "tcp_transport.h"
 
 #include <sys/socket.h>
@@ -83,7 +84,7 @@ Ticket TcpTransport::recv(int peer, const wire::Call& expect, void* data, size_t
 // poll() on every peer's connection meanwhile, so that any peer's death or abort ends the wait as
 // it ends an operation's. Control messages stay where they are: progress() handles them later.
 int TcpTransport::probe_any(const std::vector<int>& peers, int64_t tag) {
-  if (closed_ || aborted_) throw PeerError(prefix() + ": the transport is closed");
+  if (closed_ || aborted_) throw Ranked<PeerError>(prefix() + ": the transport is closed");
   for (;;) {
     bool can_still_send = false;
     for (int p : peers) {
@@ -104,7 +105,7 @@ int TcpTransport::probe_any(const std::vector<int>& peers, int64_t tag) {
         const wire::Header h = peek_header(c);
         if (h.kind == wire::Kind::kData) blocked += "; " + peer_name(p) + "'s next message is " + wire::describe(h);
       }
-      throw MismatchError(prefix() + " from any source: no rank it could come from can send a message with tag " +
+      throw Ranked<MismatchError>(prefix() + " from any source: no rank it could come from can send a message with tag " +
                           std::to_string(tag) + " (the others closed their group)" + blocked +
                           "; every recv from any source needs a matching send");
     }
@@ -117,7 +118,7 @@ int TcpTransport::probe_any(const std::vector<int>& peers, int64_t tag) {
     }
     if (Clock::now() >= deadline_) fail_probe_timeout(peers, tag);
     const int rc = ::poll(pfds_.data(), pfds_.size(), net::ms_until(deadline_));
-    if (rc < 0 && errno != EINTR) throw Error(prefix() + ": poll failed: " + std::strerror(errno));
+    if (rc < 0 && errno != EINTR) throw Ranked<Error>(prefix() + ": poll failed: " + std::strerror(errno));
     for (size_t i = 0; i < pfds_.size(); ++i) {
       const short re = pfds_[i].revents;
       if (re == 0) continue;
@@ -263,11 +264,11 @@ bool TcpTransport::pump_recvs(Conn& c) {
         continue;
       }
       if (!wire::same_call(h, r.expect)) {
-        throw MismatchError(wire::mismatch_message("chorus: rank " + std::to_string(rank_), r.expect,
+        throw Ranked<MismatchError>(wire::mismatch_message("chorus: rank " + std::to_string(rank_), r.expect,
                                                    peer_name(c.peer), "called " + wire::describe(h)));
       }
       if (h.payload != r.n) {
-        throw MismatchError(prefix() + ": " + peer_name(c.peer) + " sent " + std::to_string(h.payload) +
+        throw Ranked<MismatchError>(prefix() + ": " + peer_name(c.peer) + " sent " + std::to_string(h.payload) +
                             " bytes where this rank expected " + std::to_string(r.n) +
                             "; the ranks disagree about per-rank sizes");
       }
@@ -369,7 +370,7 @@ void TcpTransport::read_ahead(Conn& c) {
 // something can, watching idle connections for hangups.
 void TcpTransport::progress() {
   if (closed_ || aborted_) {
-    throw PeerError(prefix() + ": the transport is closed");
+    throw Ranked<PeerError>(prefix() + ": the transport is closed");
   }
   bool progressed = false;
   for (auto& c : conns_) {
@@ -414,7 +415,7 @@ void TcpTransport::progress() {
   if (Clock::now() >= deadline_) fail_timeout();
   int rc = ::poll(pfds_.data(), pfds_.size(), net::ms_until(deadline_));
   if (rc < 0 && errno != EINTR) {
-    throw Error(prefix() + ": poll failed: " + std::strerror(errno));
+    throw Ranked<Error>(prefix() + ": poll failed: " + std::strerror(errno));
   }
   if (rc == 0 && Clock::now() >= deadline_) fail_timeout();
   for (size_t i = 0; i < pfds_.size(); ++i) {

@@ -18,6 +18,7 @@
 #include "chorus/comm/random.h"
 #include "chorus/comm/rendezvous.h"
 #include "chorus/comm/store.h"
+#include "error_class.h"
 #include "handshake.h"
 #include "tcp_transport.h"
 
@@ -185,7 +186,7 @@ class MeshSetup {
         wake = std::min(wake, in_[i].until);
       }
       int rc = ::poll(pfds.data(), pfds.size(), net::ms_until(wake));
-      if (rc < 0 && errno != EINTR) throw Error(prefix() + ": poll failed: " + std::strerror(errno));
+      if (rc < 0 && errno != EINTR) throw Ranked<Error>(prefix() + ": poll failed: " + std::strerror(errno));
       for (size_t i = 0; rc > 0 && i < pfds.size(); ++i) {
         const short re = pfds[i].revents;
         if (re == 0) continue;
@@ -211,7 +212,7 @@ class MeshSetup {
       if (!o_.store->check({key})) continue;
       c.addr = o_.store->get(key);
       if (const std::string bad = split_host_port(c.addr, &c.host, &c.port); !bad.empty()) {
-        throw HandshakeError(prefix() + ": rank " + std::to_string(c.peer) + " published a listen address this rank "
+        throw Ranked<HandshakeError>(prefix() + ": rank " + std::to_string(c.peer) + " published a listen address this rank "
                              "cannot use: " + bad + " (store key " + key + "; another job writing the same keys?)");
       }
       c.state = Outgoing::kWaitRetry;
@@ -268,7 +269,7 @@ class MeshSetup {
       }
       if (k < 0 && errno == EINTR) continue;
       if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
-      throw PeerError(prefix() + ": " + c.what() + " closed the connection during the handshake, before its "
+      throw Ranked<PeerError>(prefix() + ": " + c.what() + " closed the connection during the handshake, before its "
                       "verdict (" + (k == 0 ? std::string("end of stream") : std::strerror(errno)) +
                       "); its process probably exited");
     }
@@ -421,7 +422,7 @@ class MeshSetup {
       refuse(c, refusal);
       // A process of this job (it knows the token) with another configuration: fail loudly here
       // too instead of waiting for a rank that will never come.
-      if (group == o_.group_name) throw HandshakeError(prefix() + ": " + refusal);
+      if (group == o_.group_name) throw Ranked<HandshakeError>(prefix() + ": " + refusal);
       return;
     }
     const std::string accept = c.hs->accept();
@@ -506,7 +507,7 @@ class MeshSetup {
     if (!unconnected.empty()) {
       out += "; rank(s) [" + join(unconnected) + "] have not connected to this rank at " + listen_addr_;
     }
-    throw TimeoutError(out + "; is every rank running, in the same group, and able to reach the others?");
+    throw Ranked<TimeoutError>(out + "; is every rank running, in the same group, and able to reach the others?");
   }
 
   const TcpOptions& o_;
