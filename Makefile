@@ -10,7 +10,7 @@ STRESS_REPEAT ?= 20
 FUZZ_BUILD_DIR ?= build-fuzz
 FUZZ_SECONDS ?= 60
 FUZZ_TARGETS ?= store_request handshake message_header init_url cluster_env objects idx idx_example image s3_xml csv \
-                checkpoint pickle
+                checkpoint pickle pickle_opcodes
 
 .PHONY: all deps configure build run test stress bench clean fuzz fuzz-build fuzz-ci sanitize ci-sanitize python-suite
 
@@ -80,7 +80,7 @@ CI_ASAN_DIR ?= build-ci-asan
 CI_TSAN_DIR ?= build-ci-tsan
 CI_ASAN_TESTS := shm_ring_test store_test transport_errors_test supervisor_test cluster_env_test plan_test log_test objects_test
 CI_TSAN_TESTS := shm_ring_test store_test transport_errors_test
-CI_FUZZ_TARGETS := store_request handshake message_header init_url cluster_env objects idx image s3_xml
+CI_FUZZ_TARGETS := store_request handshake message_header init_url cluster_env objects idx image s3_xml pickle_opcodes
 FUZZ_CI_SECONDS ?= 10
 space := $(empty) $(empty)
 SANITIZER_ENV = UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \

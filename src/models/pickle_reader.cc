@@ -10,6 +10,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "chorus/torch/pickle_opcodes.h"
+
 namespace chorus::models::detail {
 namespace {
 
@@ -68,7 +70,7 @@ const std::map<std::string, at::ScalarType>& storage_types() {
 class Machine {
  public:
   Machine(const std::string& path, caffe2::serialize::PyTorchStreamReader& archive, const char* data, size_t size)
-      : path_(path), archive_(archive), data_(data), size_(size) {}
+      : path_(path), archive_(archive), ops_(data, size) {}
   // A pickle can put a container inside itself (through the memo): the shared_ptr cycle would
   // never be freed (LeakSanitizer, fuzz/corpus/pickle/regression-reference-cycle.pkl). Every
   // container the machine made is emptied when it is done; the caller has taken its tensors by then.
@@ -82,11 +84,18 @@ class Machine {
   Machine& operator=(const Machine&) = delete;
 
   ValuePtr run() {
+    pickle::Op op;
     while (true) {
-      const uint8_t op = byte();
-      switch (op) {
-        case 0x80: byte(); break;              // PROTO
-        case 0x95: bytes(8); break;            // FRAME: its length is not needed
+      try {
+        if (!ops_.next(&op)) fail("truncated: no STOP");
+      } catch (const pickle::FormatError& e) {
+        at_ = e.offset();
+        fail(std::string("truncated: the opcode ") + e.what());
+      }
+      at_ = op.offset;
+      switch (op.code) {
+        case 0x80: break;                      // PROTO
+        case 0x95: break;                      // FRAME: its length is not needed
         case '.': return pop();                // STOP
         case '(': marks_.push_back(stack_.size()); break;
         case ')': push(make(Value::Kind::kTuple)); break;
@@ -95,27 +104,19 @@ class Machine {
         case 'N': push(make(Value::Kind::kNone)); break;
         case 0x88: push(boolean(true)); break;
         case 0x89: push(boolean(false)); break;
-        case 'K': push(integer(byte())); break;
-        case 'M': push(integer(little(2))); break;
-        case 'J': push(integer(static_cast<int32_t>(little(4)))); break;
-        case 0x8a: push(integer(long1())); break;
-        case 'G': push(binfloat()); break;
-        case 'X': push(string(little(4))); break;
-        case 0x8c: push(string(byte())); break;
-        case 0x8d: push(string(little(8))); break;
+        case 'K': case 'M': push(integer(static_cast<int64_t>(op.number))); break;  // BININT1, BININT2
+        case 'J': push(integer(static_cast<int32_t>(op.number))); break;             // BININT
+        case 0x8a: push(integer(long1(op.bytes))); break;
+        case 'G': push(binfloat(op.bytes)); break;
+        case 'X': case 0x8c: case 0x8d: push(string(op.bytes)); break;  // BINUNICODE, SHORT_, 8
         case 't': push(tuple(pop_mark())); break;
         case 0x85: push(tuple(pop_n(1))); break;
         case 0x86: push(tuple(pop_n(2))); break;
         case 0x87: push(tuple(pop_n(3))); break;
-        case 'q': memo_[byte()] = top(); break;
-        case 'r': memo_[little(4)] = top(); break;
-        case 0x94: memo_[memo_.size()] = top(); break;  // MEMOIZE
-        case 'h': push(memo(byte())); break;
-        case 'j': push(memo(little(4))); break;
-        case 'c': {
-          std::string module = line();
-          push(global(module + "." + line()));
-        } break;
+        case 'q': case 'r': memo_[op.number] = top(); break;  // BINPUT, LONG_BINPUT
+        case 0x94: memo_[memo_.size()] = top(); break;          // MEMOIZE
+        case 'h': case 'j': push(memo(op.number)); break;       // BINGET, LONG_BINGET
+        case 'c': push(global(std::string(op.bytes) + "." + std::string(op.second_line))); break;
         case 0x93: {  // STACK_GLOBAL
           ValuePtr name = pop(), module = pop();
           push(global(module->s + "." + name->s));
@@ -145,58 +146,39 @@ class Machine {
           build(state, top());
         } break;
         case 'Q': push(persistent(pop())); break;
-        default: fail("unsupported pickle opcode 0x" + hex(op));
+        default: fail("unsupported pickle opcode 0x" + hex(op.code));
       }
     }
   }
 
  private:
   [[noreturn]] void fail(const std::string& what) const {
-    throw StateDictError("read_state_dict: " + path_ + ": data.pkl at byte " + std::to_string(pos_) + ": " + what +
+    throw StateDictError("read_state_dict: " + path_ + ": data.pkl at byte " + std::to_string(at_) + ": " + what +
                          " (expected what torch.save writes for a dict of tensors)");
   }
   static std::string hex(uint8_t b) {
     const char* digits = "0123456789abcdef";
     return std::string{digits[b >> 4], digits[b & 15]};
   }
-  const char* bytes(size_t n) {
-    if (n > size_ - pos_) fail("truncated");
-    const char* p = data_ + pos_;
-    pos_ += n;
-    return p;
-  }
-  uint8_t byte() { return static_cast<uint8_t>(*bytes(1)); }
-  uint64_t little(int n) {
-    const char* p = bytes(n);
-    uint64_t v = 0;
-    for (int k = n - 1; k >= 0; --k) v = (v << 8) | static_cast<uint8_t>(p[k]);
-    return v;
-  }
-  int64_t long1() {
-    const int n = byte();
+  int64_t long1(std::string_view bytes) {
+    const size_t n = bytes.size();
     if (n > 8) fail("integer wider than 64 bits");
     if (n == 0) return 0;
-    uint64_t v = little(n);
+    uint64_t v = 0;
+    for (size_t k = n; k-- > 0;) v = (v << 8) | static_cast<uint8_t>(bytes[k]);
     if (n < 8 && (v >> (8 * n - 1)) & 1) v |= ~uint64_t{0} << (8 * n);  // sign-extend
     return static_cast<int64_t>(v);
   }
-  std::string line() {
-    const size_t start = pos_;
-    while (byte() != '\n') {
-    }
-    return std::string(data_ + start, pos_ - start - 1);
-  }
-  ValuePtr binfloat() {
-    const char* p = bytes(8);
+  static ValuePtr binfloat(std::string_view bytes) {
     uint64_t bits = 0;
-    for (int k = 0; k < 8; ++k) bits = (bits << 8) | static_cast<uint8_t>(p[k]);  // big-endian
+    for (int k = 0; k < 8; ++k) bits = (bits << 8) | static_cast<uint8_t>(bytes[k]);  // big-endian
     auto v = make(Value::Kind::kFloat);
     std::memcpy(&v->f, &bits, sizeof bits);
     return v;
   }
-  ValuePtr string(uint64_t n) {
+  static ValuePtr string(std::string_view bytes) {
     auto v = make(Value::Kind::kStr);
-    v->s.assign(bytes(n), n);
+    v->s.assign(bytes);
     return v;
   }
   static ValuePtr boolean(bool b) {
@@ -367,9 +349,8 @@ class Machine {
 
   std::string path_;
   caffe2::serialize::PyTorchStreamReader& archive_;
-  const char* data_;
-  size_t size_;
-  size_t pos_ = 0;
+  pickle::OpcodeReader ops_;
+  size_t at_ = 0;  // the opcode being run, for messages
   std::vector<ValuePtr> stack_;
   std::vector<size_t> marks_;
   std::unordered_map<uint64_t, ValuePtr> memo_;

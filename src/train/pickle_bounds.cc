@@ -3,51 +3,36 @@
 #include "pickle_bounds.h"
 
 #include <cstdint>
-#include <cstring>
 
+#include "chorus/torch/pickle_opcodes.h"
 #include "chorus/train/checkpoint.h"
 
 namespace chorus::train::detail {
 namespace {
 
+// Walks the opcodes (chorus/torch/pickle_opcodes.h checks every argument's length) and the memo:
+// an index read must have been stored, and pickle writers store them from 0 in order.
 class Walker {
  public:
-  Walker(const char* p, size_t n, const std::string& what) : p_(p), n_(n), what_(what) {}
+  Walker(const char* p, size_t n, const std::string& what) : ops_(p, n), what_(what) {}
 
   void run() {
-    while (at_ < n_) {
-      const auto op = static_cast<unsigned char>(p_[at_++]);
-      if (op == '.') return;  // STOP
-      if (!step(op)) return;  // not an opcode this walk knows: the unpickler decides
+    pickle::Op op;
+    try {
+      while (ops_.next(&op)) {
+        if (op.code == '.') return;  // STOP
+        if (!step(op)) return;       // not an opcode this walk follows: the unpickler decides
+      }
+    } catch (const pickle::FormatError& e) {
+      fail(e.what());
     }
     fail("ends without STOP");
   }
 
  private:
   [[noreturn]] void fail(const std::string& why) const {
-    throw CheckpointError(what_ + " is damaged: its pickle " + why + " (at byte " + std::to_string(at_) + " of " +
-                          std::to_string(n_) + ")");
-  }
-
-  uint64_t le(size_t bytes) {
-    need(bytes);
-    uint64_t v = 0;
-    for (size_t i = 0; i < bytes; ++i) v |= static_cast<uint64_t>(static_cast<unsigned char>(p_[at_ + i])) << (8 * i);
-    at_ += bytes;
-    return v;
-  }
-  void need(uint64_t bytes) {
-    if (bytes > n_ - at_) fail("claims " + std::to_string(bytes) + " bytes where " + std::to_string(n_ - at_) + " are left");
-  }
-  void skip_counted(size_t length_bytes) {
-    const uint64_t len = le(length_bytes);
-    need(len);
-    at_ += static_cast<size_t>(len);
-  }
-  void skip_line() {
-    const void* nl = std::memchr(p_ + at_, '\n', n_ - at_);
-    if (nl == nullptr) fail("has a text argument without its newline");
-    at_ = static_cast<size_t>(static_cast<const char*>(nl) - p_) + 1;
+    throw CheckpointError(what_ + " is damaged: its pickle " + why + " (at byte " + std::to_string(ops_.offset()) +
+                          " of " + std::to_string(ops_.size()) + ")");
   }
   void memo_get(uint64_t id) {
     if (id >= memo_) fail("reads memo entry " + std::to_string(id) + " of " + std::to_string(memo_));
@@ -57,45 +42,20 @@ class Walker {
     if (id == memo_) ++memo_;
   }
 
-  // One opcode's argument; false for an opcode this walk does not know.
-  bool step(unsigned char op) {
-    switch (op) {
-      // No argument.
-      case '(': case ']': case ')': case '}': case 'a': case 'e': case 's': case 'u': case 't':
-      case 'l': case 'd': case 'o': case 0x85: case 0x86: case 0x87: case 'b': case 'R': case 0x81:
-      case 'Q': case 'N': case 0x88: case 0x89: case '0': case '1': case '2': case 0x8f: case 0x90:
-      case 0x91: case 0x92: case 0x93:
-        return true;
-      case 0x94: ++memo_; return true;  // MEMOIZE
-      // Fixed-size arguments.
-      case 0x80: case 'K': le(1); return true;   // PROTO, BININT1
-      case 'M': le(2); return true;              // BININT2
-      case 'J': le(4); return true;              // BININT
-      case 0x82: le(1); return true;             // EXT1
-      case 0x83: le(2); return true;             // EXT2
-      case 0x84: le(4); return true;             // EXT4
-      case 'G': le(8); return true;              // BINFLOAT
-      case 0x95: le(8); return true;             // FRAME
-      case 'q': memo_put(le(1)); return true;    // BINPUT
-      case 'r': memo_put(le(4)); return true;    // LONG_BINPUT
-      case 'h': memo_get(le(1)); return true;    // BINGET
-      case 'j': memo_get(le(4)); return true;    // LONG_BINGET
-      // Counted bytes: the count must fit in what is left.
-      case 0x8a: case 'U': case 'C': case 0x8c: skip_counted(1); return true;  // LONG1, SHORT_BIN{STRING,BYTES,UNICODE}
-      case 0x8b: case 'T': case 'B': case 'X': skip_counted(4); return true;   // LONG4, BINSTRING, BINBYTES, BINUNICODE
-      case 0x8d: case 0x8e: skip_counted(8); return true;                      // BINUNICODE8, BINBYTES8
-      // Text arguments, each up to a newline.
-      case 'I': case 'L': case 'F': case 'S': case 'V': case 'P': skip_line(); return true;
-      case 'c': case 'i': skip_line(); skip_line(); return true;  // GLOBAL, INST: module\nname\n
-      default:  // text GET and PUT (their memo ids are text) and anything unknown
-        return false;
+  // The memo's part of one opcode; false where the walk stops: an unknown opcode, or text GET and
+  // PUT (their memo ids are text, which this walk does not parse).
+  bool step(const pickle::Op& op) {
+    switch (op.code) {
+      case 0x94: ++memo_; return true;               // MEMOIZE
+      case 'q': case 'r': memo_put(op.number); return true;  // BINPUT, LONG_BINPUT
+      case 'h': case 'j': memo_get(op.number); return true;  // BINGET, LONG_BINGET
+      case 'g': case 'p': return false;
+      default: return op.kind != pickle::ArgKind::kUnknown;
     }
   }
 
-  const char* p_;
-  size_t n_;
+  pickle::OpcodeReader ops_;
   const std::string& what_;
-  size_t at_ = 0;
   uint64_t memo_ = 0;  // entries stored so far
 };
 
