@@ -85,10 +85,10 @@ void allreduce(Transport& t, Scratch& s, const Tuning& tune, const wire::Call& c
   if (t.size() == 1) {
     return;  // sum/min/max/prod/avg of one contribution is itself
   }
-  if (count * element_size(dtype) <= tune.small_allreduce_bytes || count < static_cast<size_t>(t.size())) {
-    allreduce_recursive_doubling(t, s, call, buf, count, dtype, op);
-  } else {
-    allreduce_ring(t, s, tune, call, buf, count, dtype, op);
+  switch (plan::choose_allreduce(tune.allreduce, count * element_size(dtype), count, t.size(), tune.link)) {
+    case AllreduceAlgorithm::kRing: return allreduce_ring(t, s, tune, call, buf, count, dtype, op);
+    case AllreduceAlgorithm::kRabenseifner: return allreduce_rabenseifner(t, s, call, buf, count, dtype, op);
+    default: return allreduce_recursive_doubling(t, s, call, buf, count, dtype, op);
   }
 }
 
@@ -122,6 +122,83 @@ void allreduce_recursive_doubling(Transport& t, Scratch& s, const wire::Call& ca
   if (op == ReduceOp::kAvg) reduce::finish_avg(dtype, buf, count, n);
   if (r < extra) {
     t.send(r + p, h, buf, bytes);
+    t.wait_all();
+  }
+}
+
+// Ranks past the largest power of two p fold in (rank r hands its buffer to r - p and gets the
+// result back), as in recursive doubling. Among the p ranks the buffer is cut into p blocks
+// (plan::split). Reduce-scatter by recursive halving: at distance d = p/2, p/4, ..., 1 each rank
+// keeps half of its current window of blocks (the lower half where its bit d is clear), sends the
+// other half to rank ^ d and reduces what it receives into the half it keeps; rank r ends with
+// block r reduced over every rank. Allgather by recursive doubling reverses it: at d = 1, 2, ...,
+// p/2 partners swap windows, which double. Every rank's block is reduced once, on one rank, so all
+// ranks end with the same bytes.
+void allreduce_rabenseifner(Transport& t, Scratch& s, const wire::Call& call, void* buf, size_t count,
+                            DataType dtype, ReduceOp op) {
+  const int n = t.size();
+  const int r = t.rank();
+  const size_t esz = element_size(dtype);
+  const size_t bytes = count * esz;
+  const int p = plan::pow2_floor(n);
+  const int extra = n - p;
+  CHORUS_CHECK(count >= static_cast<size_t>(p), "rabenseifner allreduce needs an element per block");
+  char* data = static_cast<char*>(buf);
+  if (r >= p) {
+    t.send(r - p, wire::make_header(call, bytes), data, bytes);
+    t.wait(t.recv(r - p, call, data, bytes));
+    t.wait_all();
+    return;
+  }
+  char* tmp = s.get(0, bytes);
+  if (r < extra) {
+    t.wait(t.recv(r + p, call, tmp, bytes));
+    reduce::reduce_into(dtype, op, data, tmp, count);
+  }
+  // Elements of blocks [lo, hi).
+  auto window = [&](int lo, int hi) {
+    const plan::Range first = plan::split(count, p, lo);
+    const plan::Range last = plan::split(count, p, hi - 1);
+    return plan::Range{first.offset, last.offset + last.count - first.offset};
+  };
+  int lo = 0, hi = p;
+  for (int d = p / 2; d >= 1; d /= 2) {
+    const int partner = r ^ d;
+    const int mid = lo + (hi - lo) / 2;
+    const bool keep_low = (r & d) == 0;
+    const plan::Range keep = keep_low ? window(lo, mid) : window(mid, hi);
+    const plan::Range give = keep_low ? window(mid, hi) : window(lo, mid);
+    t.send(partner, wire::make_header(call, give.count * esz), at(data, give.offset, esz), give.count * esz);
+    t.wait(t.recv(partner, call, tmp, keep.count * esz));
+    reduce::reduce_into(dtype, op, at(data, keep.offset, esz), tmp, keep.count);
+    t.wait_all();  // the send reads `give`, which the allgather overwrites
+    if (keep_low) {
+      hi = mid;
+    } else {
+      lo = mid;
+    }
+  }
+  if (op == ReduceOp::kAvg) {
+    const plan::Range mine = window(lo, hi);
+    reduce::finish_avg(dtype, at(data, mine.offset, esz), mine.count, n);
+  }
+  for (int d = 1; d < p; d *= 2) {
+    const int partner = r ^ d;
+    const int size = hi - lo;
+    const bool low = (r & d) == 0;  // this rank's window is the lower half of the doubled one
+    const plan::Range mine = window(lo, hi);
+    const plan::Range theirs = low ? window(hi, hi + size) : window(lo - size, lo);
+    t.send(partner, wire::make_header(call, mine.count * esz), at(data, mine.offset, esz), mine.count * esz);
+    t.wait(t.recv(partner, call, at(data, theirs.offset, esz), theirs.count * esz));
+    if (low) {
+      hi += size;
+    } else {
+      lo -= size;
+    }
+  }
+  t.wait_all();
+  if (r < extra) {
+    t.send(r + p, wire::make_header(call, bytes), data, bytes);
     t.wait_all();
   }
 }

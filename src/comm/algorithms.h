@@ -11,13 +11,15 @@
 
 #include "chorus/comm/types.h"
 #include "message.h"
+#include "plan.h"
 #include "transport.h"
 
 namespace chorus::algo {
 
 struct Tuning {
-  size_t segment_bytes = 1 << 20;        // ring pipeline segment
-  size_t small_allreduce_bytes = 256 << 10;  // recursive doubling below this, ring above
+  size_t segment_bytes = 1 << 20;  // ring pipeline segment
+  AllreduceAlgorithm allreduce = AllreduceAlgorithm::kAuto;  // kAuto: plan::choose_allreduce by `link`
+  plan::LinkModel link = plan::default_link_model(TransportKind::kTcp);
 };
 
 // Reusable scratch memory, so steady-state calls allocate and page-fault nothing.
@@ -35,6 +37,9 @@ void allreduce_recursive_doubling(transport::Transport& t, Scratch& s, const wir
                                   void* buf, size_t count, DataType dtype, ReduceOp op);
 void allreduce_ring(transport::Transport& t, Scratch& s, const Tuning& tune, const wire::Call& call,
                     void* buf, size_t count, DataType dtype, ReduceOp op);
+// Needs count >= the largest power of two <= the group's size (each of those ranks owns a block).
+void allreduce_rabenseifner(transport::Transport& t, Scratch& s, const wire::Call& call, void* buf, size_t count,
+                            DataType dtype, ReduceOp op);
 
 void broadcast(transport::Transport& t, const Tuning& tune, const wire::Call& call, void* buf,
                size_t bytes, int root);

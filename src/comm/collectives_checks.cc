@@ -234,6 +234,18 @@ void every_collective(ProcessGroup& pg_ref) {
   pg->barrier()->wait();
 }
 
+void every_allreduce(ProcessGroup& pg) {
+  const size_t w = static_cast<size_t>(pg.size());
+  std::vector<size_t> sizes = sizes_for(pg.size());
+  for (size_t s : {w, w + 1, 2 * w + 1, size_t{65537}}) sizes.push_back(s);
+  for (DataType t : kAllTypes) {
+    for (size_t count : sizes) {
+      for (ReduceOp op : kAllOps) check_allreduce(pg, t, op, count);
+    }
+  }
+  pg.barrier()->wait();
+}
+
 void large_buffers(ProcessGroup& pg_ref) {
   ProcessGroup* pg = &pg_ref;
   const int w = pg->size();

@@ -2,6 +2,9 @@
 // store-connected transport (the checks: collectives_checks.h; over MPI: mpi_collectives_test).
 #include <gtest/gtest.h>
 
+#include <string>
+#include <tuple>
+
 #include "chorus/comm/error.h"
 #include "chorus/comm/process_group.h"
 #include "chorus/comm/rendezvous.h"
@@ -19,14 +22,14 @@ struct SuiteSetup {
   int hosts;
 };
 
-ProcessGroupOptions test_options(const SuiteSetup& setup, int rank, size_t segment_bytes, size_t small_bytes,
+ProcessGroupOptions test_options(const SuiteSetup& setup, int rank, size_t segment_bytes, const std::string& algorithm,
                                  bool tiny_shm_chunks) {
   ProcessGroupOptions o;
   o.timeout = std::chrono::seconds(20);
   o.transport = setup.transport;
   o.host_id = "test-host-" + std::to_string(rank * setup.hosts / setup.world);
   o.segment_bytes = segment_bytes;  // tiny segments reach the multi-segment ring paths
-  o.small_allreduce_bytes = small_bytes;
+  o.allreduce_algorithm = algorithm;
   if (tiny_shm_chunks) {  // and tiny shared-memory chunks the multi-chunk paths
     o.shm_chunk_bytes = 4096;
     o.shm_small_bytes = 64;
@@ -35,7 +38,7 @@ ProcessGroupOptions test_options(const SuiteSetup& setup, int rank, size_t segme
 }
 
 void conformance(const SuiteSetup& setup, int rank, int world) {
-  auto pg = connect_process_group("env://", rank, world, test_options(setup, rank, 96, 64, true));
+  auto pg = connect_process_group("env://", rank, world, test_options(setup, rank, 96, "ring", true));
   // auto: shm on one host, hybrid when the simulated hosts share some ranks.
   const std::string asked = setup.transport == "auto" ? (setup.hosts > 1 ? "hybrid" : "shm") : setup.transport;
   const std::string want = world == 1 ? "tcp" : asked;
@@ -55,7 +58,7 @@ TEST_P(Conformance, EveryCollectiveDtypeOpAndSize) {
 TEST_P(Conformance, DefaultTuningLargeBuffers) {
   const SuiteSetup setup = GetParam();
   EXPECT_EQ(testing::run_ranks(setup.world, [&](int rank, int w, std::shared_ptr<Store>) {
-    auto pg = connect_process_group("env://", rank, w, test_options(setup, rank, 1 << 20, 256 << 10, false));
+    auto pg = connect_process_group("env://", rank, w, test_options(setup, rank, 1 << 20, "auto", false));
     conformance::large_buffers(*pg);
   }, std::chrono::seconds(120)), "");
 }
@@ -63,7 +66,7 @@ TEST_P(Conformance, DefaultTuningLargeBuffers) {
 TEST_P(Conformance, PointToPointObjectsAndSubgroups) {
   const SuiteSetup setup = GetParam();
   EXPECT_EQ(testing::run_ranks(setup.world, [&](int rank, int w, std::shared_ptr<Store>) {
-    auto pg = connect_process_group("env://", rank, w, test_options(setup, rank, 96, 64, true));
+    auto pg = connect_process_group("env://", rank, w, test_options(setup, rank, 96, "ring", true));
     conformance::point_to_point_objects_subgroups(*pg);
   }, std::chrono::seconds(60)), "");
 }
@@ -74,9 +77,38 @@ TEST_P(Conformance, PointToPointObjectsAndSubgroups) {
 TEST_P(Conformance, AllocatedBuffersAllreduceInPlace) {
   const SuiteSetup setup = GetParam();
   EXPECT_EQ(testing::run_ranks(setup.world, [&](int rank, int w, std::shared_ptr<Store>) {
-    conformance::allocated_buffers(connect_process_group("env://", rank, w, test_options(setup, rank, 96, 64, true)));
+    conformance::allocated_buffers(connect_process_group("env://", rank, w, test_options(setup, rank, 96, "ring", true)));
   }, std::chrono::seconds(120)), "");
 }
+
+// Every allreduce algorithm forced, at every world size 1..8 over TCP and across hosts under hybrid
+// (the rails: 3 hosts, 4 hosts), with 96-byte ring segments.
+class Algorithms : public ::testing::TestWithParam<std::tuple<std::string, SuiteSetup>> {};
+
+TEST_P(Algorithms, EveryAllreduceDtypeOpAndSize) {
+  const auto& [algorithm, setup] = GetParam();
+  EXPECT_EQ(testing::run_ranks(setup.world, [&](int rank, int w, std::shared_ptr<Store>) {
+    auto pg = connect_process_group("env://", rank, w, test_options(setup, rank, 96, algorithm, false));
+    conformance::every_allreduce(*pg);
+  }, std::chrono::seconds(120)), "");
+}
+
+std::vector<SuiteSetup> algorithm_setups() {
+  std::vector<SuiteSetup> out;
+  for (int w = 1; w <= 8; ++w) out.push_back({"tcp", w, 1});
+  out.push_back({"hybrid", 6, 3});
+  out.push_back({"hybrid", 8, 4});
+  return out;
+}
+
+INSTANTIATE_TEST_SUITE_P(Forced, Algorithms,
+                         ::testing::Combine(::testing::Values("ring", "recursive_doubling", "rabenseifner"),
+                                            ::testing::ValuesIn(algorithm_setups())),
+                         [](const auto& info) {
+                           const SuiteSetup& s = std::get<1>(info.param);
+                           return std::get<0>(info.param) + "_" + s.transport + "_W" + std::to_string(s.world) +
+                                  "_hosts" + std::to_string(s.hosts);
+                         });
 
 std::vector<SuiteSetup> setups() {
   std::vector<SuiteSetup> out;

@@ -83,7 +83,8 @@ class HybridTransport final : public Transport, public NativeCollectives {
     if (plan.rail_index >= 0) rail_ = std::make_unique<RankMapTransport>(*tcp_, std::move(plan.rail), plan.rail_index);
     tune_.segment_bytes = std::max<size_t>(o.segment_bytes, 1);
     chunk_bytes_ = shm_chunk_bytes(o.shm);
-    tune_.small_allreduce_bytes = o.small_allreduce_bytes;
+    tune_.allreduce = o.allreduce;
+    tune_.link = o.link;
   }
   ~HybridTransport() override { close(); }
 

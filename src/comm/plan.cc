@@ -132,6 +132,65 @@ AutoTransport choose_auto_transport(const std::vector<std::pair<std::string, uin
   return out;
 }
 
+LinkModel default_link_model(TransportKind kind, double latency_us, double gbit_per_s) {
+  // Loopback TCP on the 2-core development machine (chorus bench allreduce at W=2, recursive
+  // doubling and ring forced, 4 KiB to 16 MiB; docs/algorithms.md): 5-15 us a message, 3.5 GB/s,
+  // reductions at 6 GB/s. Shared memory moves bytes faster; its native collectives do not use
+  // this model.
+  LinkModel m;
+  m.alpha_us = kind == TransportKind::kShm ? 5 : 15;
+  m.beta_us_per_byte = 1.0 / (kind == TransportKind::kShm ? 8000.0 : 3500.0);  // bytes per us -> us per byte
+  m.gamma_us_per_byte = 1.0 / 6000.0;
+  if (latency_us > 0) m.alpha_us = latency_us;
+  if (gbit_per_s > 0) m.beta_us_per_byte = 8.0 / (gbit_per_s * 1000.0);
+  return m;
+}
+
+double predict_allreduce_us(AllreduceAlgorithm algorithm, size_t bytes, int ranks, const LinkModel& m) {
+  if (ranks <= 1) return 0;
+  const double n = static_cast<double>(bytes);
+  const double a = m.alpha_us, b = m.beta_us_per_byte, g = m.gamma_us_per_byte;
+  const int p2 = pow2_floor(ranks);
+  int rounds = 0;
+  while ((1 << rounds) < p2) ++rounds;
+  // Folding ranks past p2 in and the result back out: two whole-buffer messages and one reduction.
+  const double fold = ranks > p2 ? 2 * (a + n * b) + n * g : 0;
+  const double share = static_cast<double>(p2 - 1) / p2;
+  switch (algorithm) {
+    case AllreduceAlgorithm::kRecursiveDoubling:
+      return rounds * (a + n * b + n * g) + fold;
+    case AllreduceAlgorithm::kRabenseifner:
+      return 2 * rounds * a + 2 * share * n * b + share * n * g + fold;
+    case AllreduceAlgorithm::kRing: {
+      const double w = static_cast<double>(ranks - 1) / ranks;
+      return 2 * (ranks - 1) * a + w * n * (std::max(b, g) + b);
+    }
+    case AllreduceAlgorithm::kAuto:
+      break;
+  }
+  return 0;
+}
+
+AllreduceAlgorithm choose_allreduce(AllreduceAlgorithm forced, size_t bytes, size_t count, int ranks,
+                                    const LinkModel& model) {
+  const bool splits_for_ring = count >= static_cast<size_t>(ranks);
+  const bool splits_for_halving = count >= static_cast<size_t>(pow2_floor(ranks));
+  if (forced == AllreduceAlgorithm::kRing && splits_for_ring) return forced;
+  if (forced == AllreduceAlgorithm::kRabenseifner && splits_for_halving) return forced;
+  if (forced != AllreduceAlgorithm::kAuto) return AllreduceAlgorithm::kRecursiveDoubling;
+  AllreduceAlgorithm best = AllreduceAlgorithm::kRecursiveDoubling;
+  double best_us = predict_allreduce_us(best, bytes, ranks, model);
+  for (AllreduceAlgorithm a : {AllreduceAlgorithm::kRabenseifner, AllreduceAlgorithm::kRing}) {
+    if (a == AllreduceAlgorithm::kRing ? !splits_for_ring : !splits_for_halving) continue;
+    const double us = predict_allreduce_us(a, bytes, ranks, model);
+    if (us < best_us) {
+      best = a;
+      best_us = us;
+    }
+  }
+  return best;
+}
+
 int default_spin_us(TransportKind kind, int ranks, unsigned cores) {
   if (ranks < 1 || static_cast<unsigned>(ranks) > cores) return 0;
   return kind == TransportKind::kTcp ? 20 : 50;

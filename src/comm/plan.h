@@ -31,6 +31,30 @@ AutoTransport choose_auto_transport(const std::vector<std::pair<std::string, uin
 // oversubscribed host takes the core a peer needs). `ranks` counts this host's ranks of the group.
 int default_spin_us(TransportKind kind, int ranks, unsigned cores);
 
+// The alpha-beta-gamma cost of a link: a message of n bytes takes alpha_us + n * beta_us_per_byte
+// to arrive, and reducing n bytes into a buffer takes n * gamma_us_per_byte (docs/algorithms.md).
+struct LinkModel {
+  double alpha_us = 0;
+  double beta_us_per_byte = 0;
+  double gamma_us_per_byte = 0;
+};
+// The model a transport starts from, measured on loopback TCP (docs/algorithms.md, "The model's
+// figures"); `latency_us` and `gbit_per_s` replace its alpha and beta where above 0 (the link a
+// user knows: 10 GbE, 100 Gbit/s InfiniBand ...).
+LinkModel default_link_model(TransportKind kind, double latency_us = 0, double gbit_per_s = 0);
+
+// The predicted time of one allreduce of `bytes` over `ranks` ranks by `algorithm`, in microseconds
+// (Thakur, Rabenseifner and Gropp 2005, with the ring's reduction overlapped with its transfers, as
+// its segments pipeline them). Ranks beyond the largest power of two fold into it first and get
+// the result back after (recursive doubling and Rabenseifner).
+double predict_allreduce_us(AllreduceAlgorithm algorithm, size_t bytes, int ranks, const LinkModel& model);
+
+// The algorithm one allreduce call runs: `forced` unless it is kAuto, else the one with the least
+// predicted time. Recursive doubling wherever the others cannot split the buffer: fewer elements
+// (`count`) than the ranks the buffer is cut among. Pure: every rank computes the same choice.
+AllreduceAlgorithm choose_allreduce(AllreduceAlgorithm forced, size_t bytes, size_t count, int ranks,
+                                    const LinkModel& model);
+
 struct Range {
   size_t offset = 0;  // in elements
   size_t count = 0;

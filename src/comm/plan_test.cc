@@ -138,6 +138,85 @@ TEST(TransportNames, OneParserReadsEveryNameItWrites) {
   EXPECT_EQ(unchanged, TransportKind::kShm);
 }
 
+TEST(AllreduceNames, OneParserReadsEveryNameItWrites) {
+  for (AllreduceAlgorithm a : {AllreduceAlgorithm::kAuto, AllreduceAlgorithm::kRing, AllreduceAlgorithm::kRecursiveDoubling,
+                               AllreduceAlgorithm::kRabenseifner}) {
+    AllreduceAlgorithm back = AllreduceAlgorithm::kAuto;
+    EXPECT_TRUE(parse_allreduce_algorithm(to_string(a), &back)) << to_string(a);
+    EXPECT_EQ(back, a);
+  }
+  AllreduceAlgorithm back;
+  EXPECT_FALSE(parse_allreduce_algorithm("Ring", &back));
+  EXPECT_FALSE(parse_allreduce_algorithm("", &back));
+}
+
+// The model's terms, each checked against the formula written out by hand for one case.
+TEST(AllreduceModel, PredictsTheTextbookCostOfEachAlgorithm) {
+  LinkModel m;
+  m.alpha_us = 10;
+  m.beta_us_per_byte = 0.001;
+  m.gamma_us_per_byte = 0.0005;
+  const double n = 1 << 20;
+  using A = AllreduceAlgorithm;
+  // 8 ranks: three rounds.
+  EXPECT_DOUBLE_EQ(predict_allreduce_us(A::kRecursiveDoubling, 1 << 20, 8, m), 3 * (10 + n * 0.0015));
+  EXPECT_DOUBLE_EQ(predict_allreduce_us(A::kRabenseifner, 1 << 20, 8, m), 60 + 2 * 0.875 * n * 0.001 + 0.875 * n * 0.0005);
+  EXPECT_DOUBLE_EQ(predict_allreduce_us(A::kRing, 1 << 20, 8, m), 140 + 0.875 * n * 0.002);
+  // 6 ranks: 4 do the work, 2 fold in and get the result back (two messages and a reduction).
+  const double fold = 2 * (10 + n * 0.001) + n * 0.0005;
+  EXPECT_DOUBLE_EQ(predict_allreduce_us(A::kRecursiveDoubling, 1 << 20, 6, m), 2 * (10 + n * 0.0015) + fold);
+  EXPECT_DOUBLE_EQ(predict_allreduce_us(A::kRabenseifner, 1 << 20, 6, m), 40 + 1.5 * n * 0.001 + 0.75 * n * 0.0005 + fold);
+  EXPECT_DOUBLE_EQ(predict_allreduce_us(A::kRing, 1 << 20, 6, m), 100 + (5.0 / 6) * n * 0.002);
+  EXPECT_EQ(predict_allreduce_us(A::kRing, 1 << 20, 1, m), 0);
+}
+
+TEST(AllreduceModel, LinkFiguresReplaceTheMeasuredDefault) {
+  const LinkModel tcp = default_link_model(TransportKind::kTcp);
+  EXPECT_GT(tcp.alpha_us, 0);
+  EXPECT_GT(tcp.beta_us_per_byte, 0);
+  const LinkModel ten = default_link_model(TransportKind::kTcp, 50, 10);
+  EXPECT_EQ(ten.alpha_us, 50);
+  EXPECT_DOUBLE_EQ(ten.beta_us_per_byte, 1.0 / 1250);  // 10 Gbit/s = 1250 bytes per microsecond
+  EXPECT_EQ(ten.gamma_us_per_byte, tcp.gamma_us_per_byte);
+}
+
+TEST(ChooseAllreduce, LatencyBoundSizesDoubleMediumHalveLargeRing) {
+  using A = AllreduceAlgorithm;
+  const LinkModel m = default_link_model(TransportKind::kTcp);
+  auto pick = [&](size_t bytes, int ranks) { return choose_allreduce(A::kAuto, bytes, bytes / 4, ranks, m); };
+  for (int w : {2, 3, 4, 5, 8, 16, 64, 1024}) {
+    EXPECT_EQ(pick(4 << 10, w), A::kRecursiveDoubling) << w;  // a few messages beat many
+    EXPECT_EQ(pick(256 << 20, w), A::kRing) << w;           // the ring overlaps its reductions
+    // Whatever it picks, nothing else is predicted faster.
+    for (size_t bytes : {size_t{1} << 12, size_t{1} << 16, size_t{1} << 20, size_t{1} << 24, size_t{1} << 28}) {
+      const double chosen = predict_allreduce_us(pick(bytes, w), bytes, w, m);
+      for (A other : {A::kRing, A::kRecursiveDoubling, A::kRabenseifner}) {
+        EXPECT_LE(chosen, predict_allreduce_us(other, bytes, w, m)) << bytes << " bytes, " << w << " ranks";
+      }
+    }
+  }
+  // Between them, at 8 ranks and more, halving and doubling: 2 log2(W) messages instead of the
+  // ring's 2(W-1), and a fraction of the bytes recursive doubling moves.
+  EXPECT_EQ(pick(512 << 10, 8), A::kRabenseifner);
+  EXPECT_EQ(pick(4 << 20, 1024), A::kRabenseifner);
+  // A power of two of ranks suits halving; two ranks past one fold in at the price of two whole
+  // messages, and the ring takes over sooner.
+  EXPECT_EQ(pick(256 << 10, 8), A::kRabenseifner);
+  EXPECT_EQ(pick(256 << 10, 10), A::kRing);
+}
+
+TEST(ChooseAllreduce, ForcedUnlessTheBufferCannotBeSplit) {
+  using A = AllreduceAlgorithm;
+  const LinkModel m = default_link_model(TransportKind::kTcp);
+  EXPECT_EQ(choose_allreduce(A::kRing, 4, 1, 8, m), A::kRecursiveDoubling);  // 1 element, 8 chunks
+  EXPECT_EQ(choose_allreduce(A::kRing, 32, 8, 8, m), A::kRing);
+  EXPECT_EQ(choose_allreduce(A::kRing, 28, 7, 8, m), A::kRecursiveDoubling);
+  EXPECT_EQ(choose_allreduce(A::kRabenseifner, 28, 7, 8, m), A::kRecursiveDoubling);
+  EXPECT_EQ(choose_allreduce(A::kRabenseifner, 32, 8, 10, m), A::kRabenseifner);  // blocks among 8
+  EXPECT_EQ(choose_allreduce(A::kRecursiveDoubling, 1 << 28, 1 << 26, 8, m), A::kRecursiveDoubling);
+  EXPECT_EQ(choose_allreduce(A::kAuto, 1 << 28, 7, 8, m), A::kRecursiveDoubling);  // wide elements, few
+}
+
 TEST(HostPlan, EvenHostsGiveOneRailPerLocalRank) {
   // Ranks 0, 2 on host a; 1, 3 on host b (interleaved on purpose).
   const std::vector<std::string> ids = {"a", "b", "a", "b"};

@@ -3,6 +3,7 @@
 // operations themselves (argument checks, then a task on the queue) are process_group_ops.cc; the
 // state both share is process_group_impl.h.
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <set>
@@ -384,13 +385,34 @@ std::unique_ptr<transport::Transport> make_transport(Store* store, const transpo
     ho.host_id = mine;
     ho.spin_by_local_size = options.spin_us < 0;  // the ranks that share cores are this host's
     ho.segment_bytes = options.segment_bytes;
-    ho.small_allreduce_bytes = options.small_allreduce_bytes;
+    const algo::Tuning tune = detail::tuning_for(options, TransportKind::kTcp);  // across hosts: TCP
+    ho.allreduce = tune.allreduce;
+    ho.link = tune.link;
     return transport::make_hybrid_transport(ho);
   }
   return transport::make_tcp_transport(to);
 }
 
 }  // namespace
+
+algo::Tuning detail::tuning_for(const ProcessGroupOptions& options, TransportKind kind) {
+  algo::Tuning t;
+  t.segment_bytes = std::max<size_t>(options.segment_bytes, 1);
+  std::string name = options.allreduce_algorithm;
+  const char* env = std::getenv("CHORUS_ALLREDUCE_ALGORITHM");
+  const bool from_env = name == "auto" && env != nullptr && *env != '\0';
+  if (from_env) name = env;
+  if (!parse_allreduce_algorithm(name, &t.allreduce)) {
+    throw UsageError(std::string("chorus: unknown allreduce algorithm '") + printable(name) + "'" +
+                     (from_env ? " in CHORUS_ALLREDUCE_ALGORITHM" : "") +
+                     "; available: auto, ring, recursive_doubling, rabenseifner");
+  }
+  if (options.link_latency_us < 0 || options.link_gbit_per_s < 0) {
+    throw UsageError("chorus: link_latency_us and link_gbit_per_s must be 0 (measured default) or positive");
+  }
+  t.link = plan::default_link_model(kind, options.link_latency_us, options.link_gbit_per_s);
+  return t;
+}
 
 ProcessGroup::ProcessGroup(std::shared_ptr<Store> store, int rank, int size, ProcessGroupOptions options)
     : impl_(std::make_unique<Impl>()) {
@@ -404,6 +426,7 @@ ProcessGroup::ProcessGroup(std::shared_ptr<Store> store, int rank, int size, Pro
     throw UsageError("chorus: unknown transport '" + options.transport + "'; available: tcp, shm, hybrid, auto (for mpi, connect_mpi_process_group in "
                      "chorus/comm/mpi.h, or init_process_group(\"mpi\"))");
   }
+  detail::tuning_for(options, TransportKind::kTcp);  // a bad algorithm name fails here, before setup
   Impl& m = *impl_;
   m.store = std::move(store);
   m.opts = options;
@@ -440,8 +463,9 @@ void ProcessGroup::Impl::start(ProcessGroup* pg, std::unique_ptr<transport::Tran
   transport = std::move(t);
   rank = transport->rank();
   size = transport->size();
-  tune.segment_bytes = std::max<size_t>(opts.segment_bytes, 1);
-  tune.small_allreduce_bytes = opts.small_allreduce_bytes;
+  TransportKind kind = TransportKind::kTcp;
+  parse_transport(transport->kind(), &kind);
+  tune = detail::tuning_for(opts, kind);
   send_seq.assign(static_cast<size_t>(size), 0);
   recv_seq.assign(static_cast<size_t>(size), 0);
   transport->set_spin_gate(&waiters);

@@ -143,6 +143,10 @@ struct Task {
   int peer = -1;      // a send's destination or a recv's source
 };
 
+// The algorithms' tuning from the options: the allreduce algorithm (CHORUS_ALLREDUCE_ALGORITHM
+// replaces "auto") and the link model of `kind`. Throws UsageError naming a bad algorithm name.
+algo::Tuning tuning_for(const ProcessGroupOptions& options, TransportKind kind);
+
 }  // namespace detail
 
 struct ProcessGroup::Impl final : detail::InlineRunner {

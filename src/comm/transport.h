@@ -21,6 +21,7 @@
 
 #include "error_class.h"
 #include "message.h"
+#include "plan.h"
 #include "socket.h"
 
 namespace chorus {
@@ -211,8 +212,9 @@ struct HybridOptions {
   ShmOptions shm;      // filled in per host by make_hybrid_transport (rank, size, key prefix)
   std::string host_id; // this rank's host ("" = host_identity())
   bool spin_by_local_size = true;  // shm.spin_us = 50 when this host's ranks fit its cores, else 0
-  size_t segment_bytes = 1 << 20;            // for the cross-host allreduce (algo::Tuning)
-  size_t small_allreduce_bytes = 256 << 10;  // likewise
+  size_t segment_bytes = 1 << 20;  // for the cross-host allreduce (algo::Tuning)
+  AllreduceAlgorithm allreduce = AllreduceAlgorithm::kAuto;  // likewise
+  plan::LinkModel link = plan::default_link_model(TransportKind::kTcp);
 };
 
 // Several hosts: TCP between all ranks, shared memory within a host, and a hierarchical native

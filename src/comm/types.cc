@@ -83,6 +83,27 @@ const char* to_string(TransportKind kind) {
   return "?";
 }
 
+bool parse_allreduce_algorithm(const std::string& name, AllreduceAlgorithm* algorithm) {
+  for (AllreduceAlgorithm a : {AllreduceAlgorithm::kAuto, AllreduceAlgorithm::kRing, AllreduceAlgorithm::kRecursiveDoubling,
+                               AllreduceAlgorithm::kRabenseifner}) {
+    if (name == to_string(a)) {
+      *algorithm = a;
+      return true;
+    }
+  }
+  return false;
+}
+
+const char* to_string(AllreduceAlgorithm algorithm) {
+  switch (algorithm) {
+    case AllreduceAlgorithm::kAuto: return "auto";
+    case AllreduceAlgorithm::kRing: return "ring";
+    case AllreduceAlgorithm::kRecursiveDoubling: return "recursive_doubling";
+    case AllreduceAlgorithm::kRabenseifner: return "rabenseifner";
+  }
+  return "?";
+}
+
 }  // namespace chorus
 
 namespace chorus::detail {

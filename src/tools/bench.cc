@@ -151,7 +151,9 @@ ProcessGroupOptions group_options(const BenchArgs& a, int rank, int world) {
     o.host_id = "bench-host-" + std::to_string(static_cast<long long>(rank) * a.hosts / world);
   }
   o.segment_bytes = a.segment_bytes;
-  o.small_allreduce_bytes = a.small_bytes;
+  o.allreduce_algorithm = a.allreduce_algorithm;
+  o.link_latency_us = a.link_latency_us;
+  o.link_gbit_per_s = a.link_gbit_per_s;
   o.socket_buffer_bytes = a.socket_buffer;
   o.spin_us = a.spin_us;
   return o;
@@ -312,7 +314,13 @@ void add_bench_options(CLI::App& app, BenchArgs& a) {
   app.add_option("--json", a.json, "write the results as a JSON list to this file");
   app.add_option("--timeout", a.timeout_s, "per-operation timeout in seconds");
   app.add_option("--segment-bytes", a.segment_bytes, "ring pipeline segment size");
-  app.add_option("--small-bytes", a.small_bytes, "allreduce uses recursive doubling up to this size");
+  app.add_option("--allreduce-algorithm", a.allreduce_algorithm,
+                 "auto (chosen per size by the link model), ring, recursive_doubling or rabenseifner")
+      ->check(CLI::IsMember({"auto", "ring", "recursive_doubling", "rabenseifner"}));
+  app.add_option("--link-latency-us", a.link_latency_us, "the link model's latency for auto (0 = measured default)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--link-gbit", a.link_gbit_per_s, "the link model's bandwidth in Gbit/s for auto (0 = measured default)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--socket-buffer", a.socket_buffer, "SO_SNDBUF/SO_RCVBUF bytes (0 = autotuning)");
   app.add_option("--spin-us", a.spin_us, "busy-poll this long before sleeping (-1 = library default)");
   app.add_flag("--quiet", a.quiet, "print nothing (use with --json)");

@@ -21,7 +21,9 @@ struct BenchArgs {
   std::string json;
   double timeout_s = 60;
   size_t segment_bytes = 1 << 20;
-  size_t small_bytes = 256 << 10;
+  std::string allreduce_algorithm = "auto";
+  double link_latency_us = 0;   // 0 = the library's measured default
+  double link_gbit_per_s = 0;
   int socket_buffer = 0;
   int spin_us = -1;   // -1 = the library's default
   bool quiet = false;

@@ -51,7 +51,16 @@ struct ProcessGroupOptions {
   std::string advertise_host;                  // address peers reach this rank by ("" = 127.0.0.1)
   std::string group_name = "default";
   size_t segment_bytes = 1 << 20;              // ring pipeline segment size
-  size_t small_allreduce_bytes = 256 << 10;    // recursive doubling up to this size, ring above
+  // How allreduce moves data over TCP (and across hosts under hybrid): "auto" picks per call the
+  // algorithm with the least predicted time for the call's size and the group's size, from a model
+  // of the link (docs/algorithms.md); "ring", "recursive_doubling" or "rabenseifner" force one
+  // (recursive doubling still where the buffer has fewer elements than the algorithm cuts it in).
+  // CHORUS_ALLREDUCE_ALGORITHM in the environment replaces "auto".
+  std::string allreduce_algorithm = "auto";
+  // The link "auto" plans for: one message's latency and its bandwidth (e.g. 10 for 10 GbE);
+  // 0 = what chorus measured on loopback TCP (plan::default_link_model).
+  double link_latency_us = 0;
+  double link_gbit_per_s = 0;
   int socket_buffer_bytes = 0;                 // 0 = kernel autotuning
   // Busy-poll this long before sleeping in poll() while an operation waits for data; cuts small-
   // message latency. -1 = 20 us when the group has no more ranks than this host has cores, else 0

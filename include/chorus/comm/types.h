@@ -49,4 +49,15 @@ bool parse_transport(const std::string& name, TransportKind* kind);
 // The name parse_transport reads.
 const char* to_string(TransportKind kind);
 
+// How allreduce moves the data (ProcessGroupOptions::allreduce_algorithm; docs/algorithms.md).
+enum class AllreduceAlgorithm : uint8_t {
+  kAuto,               // per call, the fastest by the link model (plan::choose_allreduce)
+  kRing,               // reduce-scatter then allgather around a ring, pipelined in segments
+  kRecursiveDoubling,  // log2(W) exchanges of the whole buffer
+  kRabenseifner,       // reduce-scatter by recursive halving, allgather by recursive doubling
+};
+// "auto", "ring", "recursive_doubling" or "rabenseifner"; false for any other name.
+bool parse_allreduce_algorithm(const std::string& name, AllreduceAlgorithm* algorithm);
+const char* to_string(AllreduceAlgorithm algorithm);
+
 }  // namespace chorus
