@@ -12,6 +12,7 @@ usage: tutorial_test.py PATH/TO/chorus   (PYTHONPATH must reach the chorus packa
 """
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -21,10 +22,26 @@ SCRIPT = os.path.join(HERE, "ddp_tutorial.py")
 ARGS = ["--epochs", "2", "--limit", "2000", "--json", "result.json"]
 
 
-def run(cmd, cwd):
-    print("$ " + " ".join(cmd), flush=True)
-    p = subprocess.run(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=240)
-    print(p.stdout[-3000:], flush=True)
+def run(cmd, cwd, timeout=100, tries=1):
+    """Runs cmd in a session of its own; a run past `timeout` is killed with everything it
+    started and tried again, up to `tries` times in all. Only the gloo reference gets more than
+    one try: PyTorch 1.13's gloo job hangs now and then (once in a full suite here; the same
+    command took 8 s in each of six reruns), and a hung reference says nothing about chorus."""
+    for attempt in range(1, tries + 1):
+        print("$ " + " ".join(cmd), flush=True)
+        p = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+        try:
+            output, _ = p.communicate(timeout=timeout)
+            break
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)  # mp.spawn's ranks too
+            output, _ = p.communicate()
+            print(output[-3000:], flush=True)
+            if attempt == tries:
+                sys.exit("FAIL: no result within %d s (%d tries)" % (timeout, tries))
+            print("run hung past %d s (try %d of %d); trying again" % (timeout, attempt, tries), flush=True)
+    print(output[-3000:], flush=True)
     if p.returncode != 0:
         sys.exit("FAIL: exit code %d" % p.returncode)
     if not os.path.exists(os.path.join(cwd, "ddp_tutorial.pt")):
@@ -39,7 +56,7 @@ def main():
         gloo_dir, chorus_dir = os.path.join(tmp, "gloo"), os.path.join(tmp, "chorus")
         os.mkdir(gloo_dir)
         os.mkdir(chorus_dir)
-        gloo = run([sys.executable, SCRIPT, "--backend", "gloo", "--world", "2"] + ARGS, gloo_dir)
+        gloo = run([sys.executable, SCRIPT, "--backend", "gloo", "--world", "2"] + ARGS, gloo_dir, timeout=60, tries=3)
         ours = run([chorus, "run", "-n", "2", sys.executable, SCRIPT, "--backend", "chorus"] + ARGS, chorus_dir)
     problems = []
     if ours["accuracy"] != gloo["accuracy"]:
