@@ -8,6 +8,7 @@
 #   source scripts/hosts.sh
 #   hosts_check || echo "cannot: $HOSTS_WHY"      # root, ip, bridges, unshare --uts --ipc
 #   hosts_up 3 || echo "cannot: $HOSTS_WHY"       # sets HOST_NS[i] HOST_ADDR[i], i in 0..N-1
+#   hosts_shape 1gbit || echo "cannot: $HOSTS_WHY" # every link 1 Gbit/s each way (tc tbf)
 #   (cd DIR && hosts_exec "${HOST_NS[0]}" CMD ARGS...) &
 #   hosts_kill "${HOST_NS[2]}"                    # SIGKILL everything in it: the machine died
 #   hosts_down                                    # kills what runs in them, deletes everything
@@ -79,6 +80,31 @@ hosts_up() {
 hosts_exec() {
   # shellcheck disable=SC2016 # the inner bash expands $0 and $@
   exec ip netns exec "$1" unshare --uts --ipc /bin/bash -c 'hostname "${0//_/-}" && exec "$@"' "$@"
+}
+
+# hosts_shape RATE: every host's link limited to RATE in both directions with tc's token bucket
+# (tbf), e.g. 1gbit or 100mbit, as a switch port of that speed; "unshaped" removes the limit.
+# Sets HOSTS_WHY and returns non-zero when tc cannot (iproute2's tc, the sch_tbf module).
+hosts_shape() {
+  local rate=$1 i err burst
+  for ((i = 0; i < ${#HOST_NS[@]}; ++i)); do
+    ip netns exec "${HOST_NS[$i]}" tc qdisc del dev eth0 root 2>/dev/null || true
+    ip netns exec "$HOSTS_SWITCH" tc qdisc del dev "h$i" root 2>/dev/null || true
+    [[ $rate == unshaped ]] && continue
+    # A burst of at least one timer tick's worth of bytes (rate / 250 Hz), so the bucket does not
+    # cap the rate below RATE; 64 KiB at least.
+    burst=$(/usr/bin/python3 -c 'import sys; r = sys.argv[1].lower(); m = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+u = next(k for k in m if r.endswith(k)); print(max(65536, int(float(r[:-len(u)]) * m[u] / 8 / 250)))' "$rate") || {
+      HOSTS_WHY="bad rate '$rate' (use e.g. 100mbit, 1gbit, 10gbit or unshaped)"
+      return 1
+    }
+    if ! err=$({ ip netns exec "${HOST_NS[$i]}" tc qdisc add dev eth0 root tbf rate "$rate" burst "$burst" latency 50ms &&
+      ip netns exec "$HOSTS_SWITCH" tc qdisc add dev "h$i" root tbf rate "$rate" burst "$burst" latency 50ms; } 2>&1); then
+      HOSTS_WHY="cannot shape ${HOST_NS[$i]}'s link to $rate with tc tbf: $err"
+      return 1
+    fi
+  done
+  return 0
 }
 
 # hosts_kill NS: SIGKILL every process in namespace NS at once, as when a machine dies.

@@ -251,6 +251,7 @@ void rank_main(const BenchArgs& a, std::shared_ptr<ProcessGroup> pg) {
       records.push_back({{"op", a.op},
                          {"transport", pg->transport()},
                          {"transport_requested", a.transport},
+                         {"allreduce_algorithm", a.allreduce_algorithm},
                          {"world_size", world},
                          {"bytes", static_cast<size_t>(moved)},
                          {"dtype", "float32"},
@@ -324,6 +325,9 @@ void add_bench_options(CLI::App& app, BenchArgs& a) {
   app.add_option("--socket-buffer", a.socket_buffer, "SO_SNDBUF/SO_RCVBUF bytes (0 = autotuning)");
   app.add_option("--spin-us", a.spin_us, "busy-poll this long before sleeping (-1 = library default)");
   app.add_flag("--quiet", a.quiet, "print nothing (use with --json)");
+  app.add_flag("--launched", a.launched,
+               "this process is one rank of a job a launcher started (chorus run on every host, e.g. "
+               "bench/multihost): rank and world size come from env://; -n is ignored");
   (void)kOps;
 }
 
@@ -340,6 +344,16 @@ int run_bench(const BenchArgs& a) {
                          " chorus bench ... --transport mpi -n " + std::to_string(a.world_size));
       }
       rank_main(a, std::move(pg));
+    } catch (const Error& e) {
+      std::fprintf(stderr, "chorus bench: %s\n", e.what());
+      return 1;
+    }
+    return 0;
+  }
+  if (a.launched) {
+    try {
+      if (a.hosts > 1) throw UsageError("--launched runs on real hosts: drop --hosts");
+      rank_main(a, connect_process_group("env://", -1, -1, group_options(a, 0, 1)));
     } catch (const Error& e) {
       std::fprintf(stderr, "chorus bench: %s\n", e.what());
       return 1;

@@ -27,6 +27,7 @@ struct BenchArgs {
   int socket_buffer = 0;
   int spin_us = -1;   // -1 = the library's default
   bool quiet = false;
+  bool launched = false;  // one rank of a job a launcher started (chorus run ...): env:// gives rank and size
 };
 
 void add_bench_options(CLI::App& app, BenchArgs& args);

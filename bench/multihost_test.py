@@ -1,0 +1,49 @@
+#!/usr/bin/python3
+"""bench/multihost at its smallest: two namespace hosts on a 100 Mbit/s link (tc tbf), chorus's
+allreduce at 256 KiB and 1 MiB. The run must finish with correct results, write its files and
+table, and at 1 MiB reach 60-110% of the link rate (less: the shaping or the benchmark is broken;
+more: the link was not shaped). Exit 77 (skipped) where namespaces cannot be made.
+
+    multihost_test.py BIN_DIR
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.realpath(__file__))
+
+
+def main():
+    with tempfile.TemporaryDirectory(prefix="chorus-multihost-test-") as out:
+        p = subprocess.run([os.path.join(HERE, "multihost"), "--hosts", "2", "--rates", "100mbit", "--sizes", "256K,1M",
+                            "--systems", "chorus-tcp", "--seconds", "0.3", "--out", out, "--bin", sys.argv[1],
+                            "--timeout", "120"], capture_output=True, text=True, timeout=240)
+        print(p.stdout + p.stderr)
+        if p.returncode == 2 and "cannot make" in p.stderr:
+            return 77
+        if p.returncode != 0:
+            print("FAIL: bench/multihost exited with %d" % p.returncode)
+            return 1
+        with open(os.path.join(out, "2-100mbit-chorus-tcp-allreduce-small.json")) as f:
+            records = {r["bytes"]: r for r in json.load(f)}
+        problems = []
+        if sorted(records) != [256 << 10, 1 << 20]:
+            problems.append("sizes measured: %s" % sorted(records))
+        if not all(r["correct"] and r["world_size"] == 2 for r in records.values()):
+            problems.append("a result was wrong or the world was not 2 hosts: %s" % records)
+        link = 100e6 / 8 / 1e9
+        share = records.get(1 << 20, {}).get("busbw_gbps", 0) / link
+        if not 0.6 <= share <= 1.1:
+            problems.append("1 MiB busbw %.0f%% of the 100 Mbit/s link, expected 60-110%%" % (100 * share))
+        if "| 2 | 100mbit | allreduce | 1 MiB |" not in open(os.path.join(out, "summary.md")).read():
+            problems.append("summary.md lacks the 1 MiB row")
+        for problem in problems:
+            print("FAIL: " + problem)
+        print("busbw at 1 MiB: %.0f%% of the link" % (100 * share))
+        return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
