@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """bench/multihost at its smallest: two namespace hosts on a 100 Mbit/s link (tc tbf), chorus's
 allreduce at 256 KiB and 1 MiB. The run must finish with correct results, write its files and
-table, and at 1 MiB reach 60-110% of the link rate (less: the shaping or the benchmark is broken;
+table (with the setup's time and descriptors), and at 1 MiB reach 60-110% of the link rate (less: the shaping or the benchmark is broken;
 more: the link was not shaped). Exit 77 (skipped) where namespaces cannot be made.
 
     multihost_test.py BIN_DIR
@@ -33,6 +33,11 @@ def main():
             problems.append("sizes measured: %s" % sorted(records))
         if not all(r["correct"] and r["world_size"] == 2 for r in records.values()):
             problems.append("a result was wrong or the world was not 2 hosts: %s" % records)
+        # Setup's cost as chorus bench reports it: a connected group in seconds, a handful of
+        # descriptors (stdio, the store, the peer's connections).
+        for r in records.values():
+            if not (0 < r["setup_s"] < 60 and 4 <= r["fds_per_rank"] <= 64):
+                problems.append("setup figures out of range: %.3f s, %d descriptors" % (r["setup_s"], r["fds_per_rank"]))
         link = 100e6 / 8 / 1e9
         share = records.get(1 << 20, {}).get("busbw_gbps", 0) / link
         if not 0.6 <= share <= 1.1:

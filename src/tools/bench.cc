@@ -1,5 +1,7 @@
 #include "bench.h"
 
+#include <dirent.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -218,13 +220,40 @@ Stats slowest_rank(ProcessGroup& pg, const Stats& s, bool correct, bool* all_ok)
   return worst;
 }
 
-void rank_main(const BenchArgs& a, std::shared_ptr<ProcessGroup> pg) {
+// What setting the group up cost this rank: seconds from the call to a connected group, and the
+// file descriptors the process held then (sockets to peers, the store's, shared memory, stdio).
+struct SetupCost {
+  double seconds = 0;
+  double fds = 0;
+};
+
+int open_fds() {
+  DIR* d = opendir("/proc/self/fd");
+  if (d == nullptr) return -1;
+  int n = 0;
+  while (readdir(d) != nullptr) ++n;
+  closedir(d);
+  return n - 3;  // ".", ".." and the directory's own descriptor
+}
+
+std::shared_ptr<ProcessGroup> connect_timed(const BenchArgs& a, int rank, int world, SetupCost* cost) {
+  const auto t0 = Clock::now();
+  auto pg = connect_process_group("env://", rank, world, group_options(a, std::max(rank, 0), std::max(world, 1)));
+  cost->seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  cost->fds = open_fds();
+  return pg;
+}
+
+void rank_main(const BenchArgs& a, std::shared_ptr<ProcessGroup> pg, SetupCost setup = {}) {
   const int rank = pg->rank(), world = pg->size();
   nlohmann::json records = nlohmann::json::array();
   bool all_correct = true;
+  double slowest[2] = {setup.seconds, setup.fds};  // the slowest rank's setup, the most descriptors
+  pg->allreduce(slowest, 2, DataType::kFloat64, ReduceOp::kMax)->wait();
   if (rank == 0 && !a.quiet) {
     std::printf("# chorus bench %s: world_size %d, transport %s (%s), dtype float32, in place\n", a.op.c_str(),
                 world, pg->transport().c_str(), a.transport.c_str());
+    std::printf("# setup: slowest rank %.3f s; at most %.0f file descriptors per rank\n", slowest[0], slowest[1]);
     std::printf("# %10s %12s %8s %11s %11s %11s %11s %8s\n", "size", "count", "iters", "p50(us)", "p99(us)",
                 "algbw(GB/s)", "busbw(GB/s)", "correct");
     std::fflush(stdout);
@@ -252,6 +281,8 @@ void rank_main(const BenchArgs& a, std::shared_ptr<ProcessGroup> pg) {
                          {"transport", pg->transport()},
                          {"transport_requested", a.transport},
                          {"allreduce_algorithm", a.allreduce_algorithm},
+                         {"setup_s", slowest[0]},
+                         {"fds_per_rank", slowest[1]},
                          {"world_size", world},
                          {"bytes", static_cast<size_t>(moved)},
                          {"dtype", "float32"},
@@ -353,7 +384,9 @@ int run_bench(const BenchArgs& a) {
   if (a.launched) {
     try {
       if (a.hosts > 1) throw UsageError("--launched runs on real hosts: drop --hosts");
-      rank_main(a, connect_process_group("env://", -1, -1, group_options(a, 0, 1)));
+      SetupCost cost;
+      auto pg = connect_timed(a, -1, -1, &cost);
+      rank_main(a, std::move(pg), cost);
     } catch (const Error& e) {
       std::fprintf(stderr, "chorus bench: %s\n", e.what());
       return 1;
@@ -364,7 +397,9 @@ int run_bench(const BenchArgs& a) {
   so.grace_period = std::chrono::milliseconds(2000);
   try {
     spawn(a.world_size, [&](int rank, int world) {
-      rank_main(a, connect_process_group("env://", rank, world, group_options(a, rank, world)));
+      SetupCost cost;
+      auto pg = connect_timed(a, rank, world, &cost);
+      rank_main(a, std::move(pg), cost);
     }, so);
   } catch (const SpawnError& e) {
     std::fprintf(stderr, "chorus bench: %s\n", e.what());
