@@ -28,6 +28,7 @@
 #include <thread>
 
 #include "chorus/comm/error.h"
+#include "chorus/comm/files.h"
 #include "chorus/comm/rendezvous.h"
 #include "chorus/comm/spawn.h"
 #include "chorus/comm/supervisor.h"
@@ -582,7 +583,7 @@ class Agent {
   ~Agent() {
     if (!scratch_.empty()) {
       std::error_code ec;
-      fs::remove_all(scratch_, ec);
+      remove_tree(scratch_, ec);
     }
   }
 

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "chorus/comm/error.h"
+#include "chorus/comm/files.h"
 
 namespace chorus::launch::detail {
 namespace {
@@ -77,7 +78,7 @@ void sweep_stale_scratch_dirs() {
     if (::lstat(entry.path().c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != ::getuid()) continue;
     if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno != ESRCH) continue;  // its launcher still runs
     std::error_code rec;
-    fs::remove_all(entry.path(), rec);
+    remove_tree(entry.path().string(), rec);
   }
 }
 

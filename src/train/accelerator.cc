@@ -21,6 +21,7 @@
 #include <unordered_set>
 
 #include "accelerator_internal.h"
+#include "chorus/comm/files.h"
 #include "chorus/comm/rendezvous.h"
 #include "chorus/comm/signals.h"
 #include "chorus/torch/compat.h"
@@ -277,7 +278,7 @@ Accelerator::Accelerator(AcceleratorOptions options)
     } else if (options_.overwrite) {
       if (rank_ == 0) {
         std::error_code ec;
-        fs::remove_all(state_dir_, ec);
+        remove_tree(state_dir_, ec);
         if (ec) throw CheckpointError("cannot delete " + state_dir_ + " (overwrite): " + ec.message());
       }
       prepare_checkpoint_dir(state_dir_, co);

@@ -52,22 +52,39 @@ def worker(rank, world, args, queue):
         ddp = torch.nn.parallel.DistributedDataParallel(net)
         opt = torch.optim.SGD(net.parameters(), lr=0.05)
         scaler = torch.amp.GradScaler("cuda", init_scale=args.init_scale, growth_interval=args.growth_interval)
-        losses, scales, skipped = [], [], []
+        losses, scales, skipped, diag = [], [], [], []
+        # For the report when the skipped steps differ (as the C++ side records them): each
+        # parameter's largest |gradient| as backward hands it over and as the optimizer sees it.
+        local = [0.0] * len(NAMES)
+
+        def recorder(k):
+            def hook(g):
+                local[k] = g.abs().max().item()
+            return hook
+
+        for k, p in enumerate(net.parameters()):
+            p.register_hook(recorder(k))
         for step in range(args.steps):
             x, y = parity_util.batch(step, rank, world, PER_RANK, CLASSES)
             x, y = x.cuda(), y.cuda()
             opt.zero_grad()
+            # As Accelerate (and chorus's Accelerator) run it: the forward under autocast, its output
+            # converted to float32, the loss outside autocast. (With the loss under autocast,
+            # PyTorch 2.11 casts the loss's gradient, scale/N at the target, to float16: that
+            # overflows at half the scale, and the skipped steps are not the same.)
             with torch.autocast("cuda", dtype=torch.float16):
-                loss = F.cross_entropy(ddp(x), y)
+                out = ddp(x)
+            loss = F.cross_entropy(out.float(), y)
             before = scaler.get_scale()
             scaler.scale(loss).backward()
+            diag.append({"local": list(local), "reduced": [p.grad.abs().max().item() for p in net.parameters()]})
             scaler.step(opt)
             scaler.update()
             losses.append(loss.item())
             scales.append(scaler.get_scale())
             skipped.append(scaler.get_scale() < before)  # PyTorch's scaler backs off exactly on a skip
         dist.destroy_process_group()
-        queue.put((rank, {"losses": losses, "scales": scales, "skipped": skipped,
+        queue.put((rank, {"losses": losses, "scales": scales, "skipped": skipped, "diag": diag,
                           "fc2.weight": net.fc2.weight.detach().cpu().reshape(-1).tolist()}))
     except Exception as e:  # reported by the parent, which fails
         queue.put((rank, "exception: %r" % (e,)))
@@ -75,6 +92,30 @@ def worker(rank, world, args, queue):
 
 def rel(a, b):
     return abs(a - b) / max(abs(b), 1e-12)
+
+
+def report_gradients(args, results):
+    """Prints, for the first steps, each rank's scale, skip and largest |gradient| per parameter on
+    both sides: where the float16 gradients overflow, and on which rank."""
+    print("step rank side   scale     skip  local max |grad| (scaled)             averaged max |grad| (scaled)")
+    ours = {}
+    for r in range(args.world):
+        path = os.path.join(args.dir, "chorus-fp16-rank%d.json" % r)
+        if os.path.exists(path):
+            with open(path) as f:
+                ours[r] = json.load(f)
+    # JSON has no inf or NaN: chorus's side writes them as null.
+    fmt = lambda xs: " ".join("%9s" % "inf/nan" if x is None or x != x or x in (float("inf"), -float("inf"))  # noqa: E731
+                              else "%9.4g" % x for x in xs)
+    for step in range(min(args.steps, 10)):
+        for r in range(args.world):
+            for side, run in (("chorus ", ours.get(r)), ("PyTorch", results.get(r))):
+                if not isinstance(run, dict) or "diag" not in run:
+                    continue
+                d = run["diag"][step]
+                scale = run["scales"][step - 1] if step > 0 else args.init_scale
+                print("%4d %4d %s %9g %5s %s   %s" % (step, r, side, scale, run["skipped"][step], fmt(d["local"]),
+                                                    fmt(d["reduced"])))
 
 
 def main():
@@ -119,6 +160,8 @@ def main():
         if mean > 0.03 or last > 0.05:
             problems.append("%s loss curve vs float32: mean relative difference %.3f, last %.3f (limits 0.03, 0.05)"
                             % (name, mean, last))
+    if problems:
+        report_gradients(args, results)
     for line in problems:
         print(line)
     print("%s: W=%d, %d steps, skipped %d (%s) as PyTorch's GradScaler, final scale %g; loss fp32 %.4f -> %.4f, "

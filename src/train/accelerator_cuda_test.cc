@@ -76,7 +76,17 @@ void train_rank(int rank, int world, const std::string& precision, const std::st
   torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.05));
   auto optimizer = accelerator.prepare_optimizer(sgd);
   nlohmann::json losses = nlohmann::json::array(), scales = nlohmann::json::array(),
-                 skipped = nlohmann::json::array();
+                 skipped = nlohmann::json::array(), diag = nlohmann::json::array();
+  // For the report when the skipped steps differ: each parameter's largest |gradient| as backward
+  // hands it over (this rank's own, scaled) and as the optimizer sees it (averaged, still scaled).
+  std::vector<double> local(4, 0.0);
+  {
+    int k = 0;
+    for (auto& p : net->parameters()) {
+      p.register_hook([&local, k](const torch::Tensor& g) { local[k] = g.abs().max().item<double>(); });
+      ++k;
+    }
+  }
   for (int step = 0; step < kSteps; ++step) {
     auto [x, y] = ddp::parity::batch(step, rank, world, kPerRank, kClasses);
     optimizer.zero_grad();
@@ -84,12 +94,19 @@ void train_rank(int rank, int world, const std::string& precision, const std::st
     if (out.scalar_type() != torch::kFloat) throw std::runtime_error("the prepared forward did not return float32");
     torch::Tensor loss = torch::nn::functional::cross_entropy(out, y.to(accelerator.device()));
     accelerator.backward(loss);
+    nlohmann::json reduced = nlohmann::json::array();
+    for (auto& p : net->parameters()) reduced.push_back(p.grad().abs().max().item<double>());
+    diag.push_back({{"local", local}, {"reduced", reduced}});
     optimizer.step();
     losses.push_back(loss.item<double>());
     if (GradScaler* s = accelerator.scaler()) {
       scales.push_back(s->get_scale());
       skipped.push_back(s->last_step_skipped());
     }
+  }
+  if (precision == "fp16") {
+    std::ofstream(dir + "/chorus-fp16-rank" + std::to_string(rank) + ".json")
+        << nlohmann::json{{"skipped", skipped}, {"scales", scales}, {"diag", diag}}.dump();
   }
   if (rank == 0) {
     nlohmann::json out = {{"losses", losses}, {"scales", scales}, {"skipped", skipped},

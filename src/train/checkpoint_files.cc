@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
+#include "chorus/comm/files.h"
 #include "chorus/comm/hash.h"
 #include "chorus/comm/log.h"
 #include "chorus/comm/random.h"
@@ -45,7 +46,7 @@ void put_u64(std::string& out, uint64_t v) {
 void remove_entries(const std::string& dir, const std::vector<std::string>& names) {
   for (const auto& name : names) {
     std::error_code rec;
-    fs::remove_all(fs::path(dir) / name, rec);
+    remove_tree((fs::path(dir) / name).string(), rec);
     if (rec) chorus::log(LogLevel::kWarning, "checkpoint " + dir + ": cannot remove " + name + ": " + rec.message());
   }
 }
