@@ -1,0 +1,76 @@
+#!/usr/bin/python3
+"""bench/scaling-model: the model's formulas, that the fit recovers the parameters of points made by
+the model itself, the DDP bucket share, and that `report` writes the page and its figures from the
+committed measurements."""
+import importlib.machinery
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+
+HERE = os.path.dirname(os.path.realpath(__file__))
+loader = importlib.machinery.SourceFileLoader("scaling_model", os.path.join(HERE, "scaling-model"))
+spec = importlib.util.spec_from_loader("scaling_model", loader)
+sm = importlib.util.module_from_spec(spec)
+loader.exec_module(sm)
+
+
+class Model(unittest.TestCase):
+    def test_formulas_at_a_power_of_two_and_past_it(self):
+        a, b, g, n = 10.0, 1e-3, 2e-4, 1 << 20
+        self.assertAlmostEqual(sm.predict_us("ring", n, 4, a, b, g), 6 * a + 1.5 * n * b)
+        self.assertAlmostEqual(sm.predict_us("recursive_doubling", n, 4, a, b, g), 2 * (a + n * b + n * g))
+        self.assertAlmostEqual(sm.predict_us("rabenseifner", n, 4, a, b, g), 4 * a + 1.5 * n * b + 0.75 * n * g)
+        fold = 2 * (a + n * b) + n * g  # 6 ranks: 2 fold into the 4
+        self.assertAlmostEqual(sm.predict_us("rabenseifner", n, 6, a, b, g), 4 * a + 1.5 * n * b + 0.75 * n * g + fold)
+        self.assertEqual(sm.predict_us("ring", n, 1, a, b, g), 0)
+        # The ring's reduction shows only where it is slower than the transfer.
+        self.assertAlmostEqual(sm.predict_us("ring", n, 2, a, 1e-4, 3e-4), 2 * a + n * 1e-4 + 0.5 * n * 2e-4)
+
+    def test_fit_recovers_the_parameters_it_was_made_with(self):
+        truth = (12.0, 10 ** (-62 / 20.0), 1.5e-4)  # beta_host on the fit's grid
+        points = []
+        for hosts in (2, 4):
+            for rate in ("10gbit", "100mbit", "unshaped"):
+                for alg in sm.ALGORITHMS:
+                    for n in (4096, 65536, 1 << 20, 16 << 20):
+                        p = {"hosts": hosts, "rate": rate, "bps": sm.rate_bps(rate), "algorithm": alg, "bytes": n}
+                        p["p50_us"] = sm.predict_point(p, truth)
+                        points.append(p)
+        alpha, beta_host, gamma = sm.fit(points)
+        self.assertAlmostEqual(alpha / truth[0], 1, places=3)
+        self.assertAlmostEqual(beta_host / truth[1], 1, places=3)
+        self.assertAlmostEqual(gamma / truth[2], 1, places=3)
+
+    def test_last_bucket_share(self):
+        mb = 2 ** 20
+        self.assertAlmostEqual(sm.last_bucket_share(27 * mb), 1 / 27)  # 1 + 25 + 1
+        self.assertAlmostEqual(sm.last_bucket_share(26 * mb), 25 / 26)
+        self.assertEqual(sm.last_bucket_share(mb // 2), 1.0)
+
+    def test_report_writes_the_page_from_the_committed_measurements(self):
+        out = tempfile.mkdtemp(prefix="chorus-scaling-model-")
+        try:
+            r = subprocess.run([sys.executable, os.path.join(HERE, "scaling-model"), "report", "--out", out],
+                               capture_output=True, text=True, timeout=120)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            with open(os.path.join(out, "scaling-model.md")) as f:
+                page = f.read()
+            for heading in ("## The fit", "## Held-out points", "## Projections: 8 to 1024 ranks",
+                            "## DDP step-time scaling efficiency"):
+                self.assertIn(heading, page)
+            self.assertIn("| 1024 |", page)
+            for fig in ("scaling-fit.svg", "scaling-resnet50.svg", "scaling-efficiency.svg"):
+                with open(os.path.join(out, fig)) as f:
+                    self.assertIn("<svg", f.read(2000))
+            self.assertEqual(sorted(os.listdir(out)), ["scaling-efficiency.svg", "scaling-fit.svg",
+                                                       "scaling-model.md", "scaling-resnet50.svg"])
+        finally:
+            shutil.rmtree(out)
+
+
+if __name__ == "__main__":
+    unittest.main()
