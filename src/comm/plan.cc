@@ -67,6 +67,19 @@ std::vector<int> binomial_children(int rank, int root, int n) {
   return out;
 }
 
+std::vector<int> collective_peers(int rank, int n) {
+  std::vector<int> out;
+  for (int64_t d = 1; d < n; d <<= 1) {
+    for (int64_t q : {rank + d, rank - d}) {
+      const int peer = static_cast<int>(((q % n) + n) % n);
+      if (peer != rank) out.push_back(peer);
+    }
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
 HostPlan plan_hosts(const std::vector<std::string>& host_ids, int rank) {
   HostPlan p;
   std::vector<std::string> order;

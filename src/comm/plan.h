@@ -91,6 +91,14 @@ int pow2_floor(int n);
 int binomial_parent(int rank, int root, int n);
 std::vector<int> binomial_children(int rank, int root, int n);
 
+// The peers the collective algorithms of `rank` ever exchange with over n ranks: (rank +- 2^k) mod n
+// for 2^k < n. That covers the ring's neighbours, recursive doubling's and halving's partners
+// (rank xor 2^k), the fold of the ranks past the largest power of two, binomial trees of any root
+// and the dissemination barrier. Sorted, without `rank`; symmetric (q is rank's peer iff rank is
+// q's); at most 2 ceil(log2 n). Gather, scatter, alltoall and point-to-point name their own peers.
+// For connections that follow the algorithms (docs/algorithms.md, "Connections at scale").
+std::vector<int> collective_peers(int rank, int n);
+
 // The hybrid transport's view of the hosts, from every rank's host id (index = rank).
 struct HostPlan {
   std::vector<std::vector<int>> hosts;  // each host's ranks in order; hosts in order of lowest rank

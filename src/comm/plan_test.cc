@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <set>
 #include <string>
 #include <vector>
@@ -86,6 +87,49 @@ TEST(Binomial, TreeReachesEveryRankOnce) {
       }
     }
   }
+}
+
+TEST(CollectivePeers, CoverEveryAlgorithmsPartnersSymmetricallyInLogarithmicCount) {
+  for (int n = 1; n <= 70; ++n) {
+    const int p = plan::pow2_floor(n);
+    std::vector<std::set<int>> peers(static_cast<size_t>(n));
+    for (int r = 0; r < n; ++r) {
+      const std::vector<int> v = plan::collective_peers(r, n);
+      peers[static_cast<size_t>(r)] = std::set<int>(v.begin(), v.end());
+      ASSERT_EQ(peers[static_cast<size_t>(r)].size(), v.size()) << "duplicates, n=" << n;
+      ASSERT_TRUE(std::is_sorted(v.begin(), v.end()));
+      ASSERT_EQ(peers[static_cast<size_t>(r)].count(r), 0u);
+      int log2n = 0;
+      while ((1 << log2n) < n) ++log2n;
+      EXPECT_LE(static_cast<int>(v.size()), 2 * log2n) << "n=" << n;
+    }
+    auto has = [&](int r, int q) { return peers[static_cast<size_t>(r)].count(q) == 1; };
+    for (int r = 0; r < n; ++r) {
+      if (n > 1) {  // the ring
+        EXPECT_TRUE(has(r, (r + 1) % n)) << r << "/" << n;
+        EXPECT_TRUE(has(r, (r + n - 1) % n)) << r << "/" << n;
+      }
+      for (int d = 1; d < p; d <<= 1) {  // recursive doubling and halving
+        if (r < p) {
+          EXPECT_TRUE(has(r, r ^ d)) << r << "/" << n;
+        }
+      }
+      if (r >= p) {
+        EXPECT_TRUE(has(r, r - p)) << r << "/" << n;  // the fold
+      }
+      for (int root = 0; root < n; ++root) {  // binomial trees of every root
+        const int parent = plan::binomial_parent(r, root, n);
+        if (parent >= 0) {
+          EXPECT_TRUE(has(r, parent)) << r << "/" << n << " root " << root;
+        }
+        for (int c : plan::binomial_children(r, root, n)) EXPECT_TRUE(has(r, c));
+      }
+      for (int k = 1; k < n; k <<= 1) EXPECT_TRUE(has(r, (r + k) % n));  // dissemination barrier
+      for (int q : peers[static_cast<size_t>(r)]) EXPECT_TRUE(has(q, r)) << "not symmetric: " << r << ", " << q;
+    }
+  }
+  EXPECT_EQ(plan::collective_peers(0, 1).size(), 0u);
+  EXPECT_EQ(plan::collective_peers(5, 1024).size(), 19u);  // +-1 .. +-256, and 512 once
 }
 
 TEST(Pow2, Floor) {
