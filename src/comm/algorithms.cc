@@ -210,10 +210,31 @@ void allreduce_ring(Transport& t, Scratch& s, const Tuning& tune, const wire::Ca
   ring(t, s, call, p, static_cast<char*>(buf), dtype, op, true, true);
 }
 
+// The chain: ranks in order from the root (virtual rank v = rank - root mod n), each piece received
+// from v - 1 and passed on to v + 1 while the next piece arrives, so every link carries the buffer
+// once and the pipe fills in n - 1 steps.
+void broadcast_chain(Transport& t, const Tuning& tune, const wire::Call& call, char* p, size_t bytes, int root) {
+  const int n = t.size();
+  const int v = (t.rank() - root + n) % n;
+  const int prev = (t.rank() - 1 + n) % n;
+  const int next = (t.rank() + 1) % n;
+  const size_t seg = plan::chain_segment_bytes(bytes, n, tune.segment_bytes);
+  const size_t pieces = std::max<size_t>(1, (bytes + seg - 1) / seg);
+  for (size_t i = 0; i < pieces; ++i) {
+    plan::Range g = plan::split(bytes, static_cast<int>(pieces), static_cast<int>(i));
+    if (v > 0) t.wait(t.recv(prev, call, p + g.offset, g.count));
+    if (v < n - 1) t.send(next, wire::make_header(call, g.count), p + g.offset, g.count);
+  }
+  t.wait_all();
+}
+
 void broadcast(Transport& t, const Tuning& tune, const wire::Call& call, void* buf, size_t bytes,
                int root) {
   const int n = t.size();
   if (n == 1) return;
+  if (plan::choose_broadcast(tune.broadcast, bytes, n, tune.segment_bytes, tune.link) == plan::BroadcastShape::kChain) {
+    return broadcast_chain(t, tune, call, static_cast<char*>(buf), bytes, root);
+  }
   const int r = t.rank();
   const int parent = plan::binomial_parent(r, root, n);
   const std::vector<int> children = plan::binomial_children(r, root, n);

@@ -19,6 +19,7 @@ namespace chorus::algo {
 struct Tuning {
   size_t segment_bytes = 1 << 20;  // ring pipeline segment
   AllreduceAlgorithm allreduce = AllreduceAlgorithm::kAuto;  // kAuto: plan::choose_allreduce by `link`
+  plan::BroadcastShape broadcast = plan::BroadcastShape::kAuto;  // kAuto: plan::choose_broadcast by `link`
   plan::LinkModel link = plan::default_link_model(TransportKind::kTcp);
 };
 

@@ -246,6 +246,17 @@ void every_allreduce(ProcessGroup& pg) {
   pg.barrier()->wait();
 }
 
+void every_broadcast(ProcessGroup& pg) {
+  for (int root = 0; root < pg.size(); ++root) {
+    for (DataType t : {DataType::kUInt8, DataType::kFloat32, DataType::kFloat64}) {
+      for (size_t count : {size_t{0}, size_t{1}, size_t{7}, size_t{97}, size_t{1000}, size_t{100003}}) {
+        check_broadcast(pg, t, count, root);
+      }
+    }
+  }
+  pg.barrier()->wait();
+}
+
 void large_buffers(ProcessGroup& pg_ref) {
   ProcessGroup* pg = &pg_ref;
   const int w = pg->size();

@@ -16,6 +16,8 @@ void every_collective(ProcessGroup& pg);
 // Allreduce alone: every dtype and op, the sizes above and those around the world size (blocks of
 // one element, one block longer than the others), and 65537 elements (many ring segments).
 void every_allreduce(ProcessGroup& pg);
+// Broadcast alone: from every root, three dtypes, sizes 0 to 100003 elements.
+void every_broadcast(ProcessGroup& pg);
 // Sizes past the default segment and chunk sizes: allreduce, broadcast, reduce_scatter, allgather.
 void large_buffers(ProcessGroup& pg);
 // Tagged sends in a ring, large sends posted before the receives on both sides, held batches,

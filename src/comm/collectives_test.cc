@@ -110,6 +110,25 @@ INSTANTIATE_TEST_SUITE_P(Forced, Algorithms,
                                   "_hosts" + std::to_string(s.hosts);
                          });
 
+// Both broadcast shapes forced (CHORUS_BROADCAST_ALGORITHM) at every world size 1..8 over TCP, from
+// every root, with 96-byte segments (the chain's pieces: many per call).
+class BroadcastShapes : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+
+TEST_P(BroadcastShapes, EveryRootDtypeAndSize) {
+  const auto& [shape, world] = GetParam();
+  EXPECT_EQ(testing::run_ranks(world, [&](int rank, int w, std::shared_ptr<Store>) {
+    ::setenv("CHORUS_BROADCAST_ALGORITHM", shape.c_str(), 1);  // this rank's process alone
+    auto pg = connect_process_group("env://", rank, w, test_options({"tcp", w, 1}, rank, 96, "auto", false));
+    conformance::every_broadcast(*pg);
+  }, std::chrono::seconds(120)), "");
+}
+
+INSTANTIATE_TEST_SUITE_P(Forced, BroadcastShapes,
+                         ::testing::Combine(::testing::Values("binomial", "chain"), ::testing::Range(1, 9)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_tcp_W" + std::to_string(std::get<1>(info.param));
+                         });
+
 std::vector<SuiteSetup> setups() {
   std::vector<SuiteSetup> out;
   for (int w : {1, 2, 3, 4, 5, 8}) {

@@ -1,6 +1,7 @@
 #include "plan.h"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 
 namespace chorus::plan {
@@ -65,6 +66,42 @@ std::vector<int> binomial_children(int rank, int root, int n) {
     if (vr + m < n) out.push_back((vr + m + root) % n);
   }
   return out;
+}
+
+bool parse_broadcast_shape(const std::string& name, BroadcastShape* shape) {
+  if (name == "auto") *shape = BroadcastShape::kAuto;
+  else if (name == "binomial") *shape = BroadcastShape::kBinomial;
+  else if (name == "chain") *shape = BroadcastShape::kChain;
+  else return false;
+  return true;
+}
+
+size_t chain_segment_bytes(size_t bytes, int n, size_t segment_bytes) {
+  const size_t want = bytes / (2 * static_cast<size_t>(std::max(n, 1)));
+  return std::max<size_t>(1, std::min(std::max<size_t>(want, 64 << 10), std::max<size_t>(segment_bytes, 1)));
+}
+
+double predict_broadcast_us(BroadcastShape shape, size_t bytes, int n, size_t segment_bytes, const LinkModel& m) {
+  if (n <= 1) return 0;
+  const double b = static_cast<double>(bytes);
+  int depth = 0;
+  while ((1 << depth) < n) ++depth;
+  if (shape == BroadcastShape::kChain) {
+    const size_t seg = chain_segment_bytes(bytes, n, segment_bytes);
+    const double pieces = std::max(1.0, std::ceil(b / static_cast<double>(seg)));
+    return (n - 2 + pieces) * (m.alpha_us + b / pieces * m.beta_us_per_byte);
+  }
+  // The root sends every segment to each of its ceil(log2 n) children in turn.
+  const double pieces = std::max(1.0, std::ceil(b / static_cast<double>(std::max<size_t>(segment_bytes, 1))));
+  return depth * (pieces * m.alpha_us + b * m.beta_us_per_byte);
+}
+
+BroadcastShape choose_broadcast(BroadcastShape forced, size_t bytes, int n, size_t segment_bytes, const LinkModel& m) {
+  if (forced != BroadcastShape::kAuto) return forced;
+  return predict_broadcast_us(BroadcastShape::kChain, bytes, n, segment_bytes, m) <
+                 predict_broadcast_us(BroadcastShape::kBinomial, bytes, n, segment_bytes, m)
+             ? BroadcastShape::kChain
+             : BroadcastShape::kBinomial;
 }
 
 std::vector<int> collective_peers(int rank, int n) {

@@ -91,6 +91,17 @@ int pow2_floor(int n);
 int binomial_parent(int rank, int root, int n);
 std::vector<int> binomial_children(int rank, int root, int n);
 
+// Broadcast: a binomial tree (the root's link carries the buffer ceil(log2 n) times; few steps) or a
+// chain through the ranks in order from the root (every link carries it once, in `segments`
+// pipelined pieces; n - 1 steps to fill the pipe). Predicted time of each in microseconds, and the
+// choice: `forced` "binomial" or "chain" as given, else the faster (CHORUS_BROADCAST_ALGORITHM).
+enum class BroadcastShape { kAuto, kBinomial, kChain };
+bool parse_broadcast_shape(const std::string& name, BroadcastShape* shape);
+// The chain's piece for `bytes` over n ranks: bytes / (2n), within [64 KiB, segment_bytes] (at least 1).
+size_t chain_segment_bytes(size_t bytes, int n, size_t segment_bytes);
+double predict_broadcast_us(BroadcastShape shape, size_t bytes, int n, size_t segment_bytes, const LinkModel& m);
+BroadcastShape choose_broadcast(BroadcastShape forced, size_t bytes, int n, size_t segment_bytes, const LinkModel& m);
+
 // The peers the collective algorithms of `rank` ever exchange with over n ranks: (rank +- 2^k) mod n
 // for 2^k < n. That covers the ring's neighbours, recursive doubling's and halving's partners
 // (rank xor 2^k), the fold of the ranks past the largest power of two, binomial trees of any root

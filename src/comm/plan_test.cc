@@ -132,6 +132,30 @@ TEST(CollectivePeers, CoverEveryAlgorithmsPartnersSymmetricallyInLogarithmicCoun
   EXPECT_EQ(plan::collective_peers(5, 1024).size(), 19u);  // +-1 .. +-256, and 512 once
 }
 
+TEST(Broadcast, TreeForFewBytesChainForManyForcedAsAsked) {
+  const LinkModel m = default_link_model(TransportKind::kTcp);
+  const size_t seg = 1 << 20;
+  EXPECT_EQ(choose_broadcast(BroadcastShape::kAuto, 64 << 10, 8, seg, m), BroadcastShape::kBinomial);
+  EXPECT_EQ(choose_broadcast(BroadcastShape::kAuto, 16 << 20, 8, seg, m), BroadcastShape::kChain);
+  EXPECT_EQ(choose_broadcast(BroadcastShape::kAuto, 256 << 20, 2, seg, m), BroadcastShape::kBinomial);
+  EXPECT_EQ(choose_broadcast(BroadcastShape::kChain, 4, 8, seg, m), BroadcastShape::kChain);
+  EXPECT_EQ(choose_broadcast(BroadcastShape::kBinomial, 1 << 30, 64, seg, m), BroadcastShape::kBinomial);
+  // The tree's root sends the buffer ceil(log2 n) times; the chain about once.
+  const double tree = predict_broadcast_us(BroadcastShape::kBinomial, 64 << 20, 8, seg, m);
+  const double chain = predict_broadcast_us(BroadcastShape::kChain, 64 << 20, 8, seg, m);
+  EXPECT_NEAR(tree / chain, 3.0, 0.4);
+  EXPECT_EQ(predict_broadcast_us(BroadcastShape::kChain, 1 << 20, 1, seg, m), 0);
+  // Pieces: bytes / 2n within [64 KiB, the segment size].
+  EXPECT_EQ(chain_segment_bytes(64 << 20, 8, seg), size_t{1} << 20);
+  EXPECT_EQ(chain_segment_bytes(8 << 20, 8, seg), size_t{512} << 10);
+  EXPECT_EQ(chain_segment_bytes(1000, 8, seg), size_t{64} << 10);
+  EXPECT_EQ(chain_segment_bytes(1 << 20, 8, 96), size_t{96});
+  BroadcastShape shape;
+  EXPECT_TRUE(parse_broadcast_shape("chain", &shape));
+  EXPECT_EQ(shape, BroadcastShape::kChain);
+  EXPECT_FALSE(parse_broadcast_shape("tree", &shape));
+}
+
 TEST(Pow2, Floor) {
   EXPECT_EQ(pow2_floor(1), 1);
   EXPECT_EQ(pow2_floor(2), 2);

@@ -407,6 +407,12 @@ algo::Tuning detail::tuning_for(const ProcessGroupOptions& options, TransportKin
                      (from_env ? " in CHORUS_ALLREDUCE_ALGORITHM" : "") +
                      "; available: auto, ring, recursive_doubling, rabenseifner");
   }
+  if (const char* b = std::getenv("CHORUS_BROADCAST_ALGORITHM"); b != nullptr && *b != '\0') {
+    if (!plan::parse_broadcast_shape(b, &t.broadcast)) {
+      throw UsageError(std::string("chorus: unknown broadcast algorithm '") + printable(b) +
+                       "' in CHORUS_BROADCAST_ALGORITHM; available: auto, binomial, chain");
+    }
+  }
   if (options.link_latency_us < 0 || options.link_gbit_per_s < 0) {
     throw UsageError("chorus: link_latency_us and link_gbit_per_s must be 0 (measured default) or positive");
   }
