@@ -194,12 +194,11 @@ def kill_a_worker_mid_training(client, workers, notes):
     return problems
 
 
-def same_as_under_chorus_run(probe, steps, results):
-    """The same DDP job launched by `chorus run -n 4` (this file in its --chorus-run-rank mode):
-    every rank's parameters equal the Dask job's rank's."""
+def same_as_under_chorus_run(chorus_bin, steps, results):
+    """The same DDP job launched by `chorus run -n W` on this host (this file in its
+    --chorus-run-rank mode), W = len(results): every rank's parameters equal the Dask job's rank's."""
     import json
     import subprocess
-    chorus_bin = os.path.join(os.path.dirname(probe), "chorus")
     with tempfile.TemporaryDirectory(prefix="chorus-dask-test-") as tmp:
         r = subprocess.run([chorus_bin, "run", "-n", str(len(results)), sys.executable, os.path.abspath(__file__),
                             "--chorus-run-rank", str(steps), tmp],
@@ -280,7 +279,7 @@ def run_checks(probe, problems, notes):
                 problems.append("rank %d's parameters differ from the single-process reference" % rank)
         if len({r["pid"] for r in results}) != 4:
             problems.append("ranks shared a process: %s" % [r["pid"] for r in results])
-        problems += same_as_under_chorus_run(probe, steps, results)
+        problems += same_as_under_chorus_run(os.path.join(os.path.dirname(probe), "chorus"), steps, results)
         notes.append("DDP at W=4 (2 per worker) equal to the reference and to the job under chorus run")
 
         # 2. a failing rank stops the job; every future names it

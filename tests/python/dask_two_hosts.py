@@ -5,7 +5,7 @@ two network-namespace hosts (the scheduler and this client on host A).
 1. chorus.dask.run(..., backend=None): PyTorch DDP on backend "chorus", set up by the function
    itself, one rank per worker: rank 1 ran on host B's
    worker, MASTER_ADDR is host A's address, and both ranks' parameters equal the single-process
-   reference (dask_test.reference).
+   reference (dask_test.reference) and the same job's under `chorus run -n 2` on host A (with CHORUS).
 2. run_program: the C++ transfer example (with CHORUS and TRANSFER given), one rank per host, from
    a small rendered image folder: both ranks exit 0, the client's run directory holds its test
    accuracy and a summary of a world of 2.
@@ -24,7 +24,7 @@ import tempfile
 from distributed import Client
 
 import chorus.dask
-from dask_test import kill_a_worker_mid_training, reference, summarize, train
+from dask_test import kill_a_worker_mid_training, reference, same_as_under_chorus_run, summarize, train
 
 
 def main():
@@ -51,7 +51,11 @@ def main():
         placed = client.who_has(futures)
         if [list(placed[f.key]) for f in futures] != [[w] for w in workers]:
             problems.append("placement %s, expected %s" % (placed, workers))
-        notes.append("DDP across the two hosts equal to the reference")
+        if chorus_bin:
+            problems += same_as_under_chorus_run(chorus_bin, steps, results)
+            notes.append("DDP across the two hosts equal to the reference and to the job under chorus run")
+        else:
+            notes.append("DDP across the two hosts equal to the reference")
 
         # run_program: the C++ transfer example, one rank per host, from a small image folder (the
         # hosts share this machine's files), its records streamed here
