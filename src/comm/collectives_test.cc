@@ -15,12 +15,19 @@ namespace chorus {
 namespace {
 
 // One instance of the suite: a transport, a world size, and for "hybrid" how many simulated hosts
-// the ranks are split into (ranks [h*W/H, (h+1)*W/H) share host h and its shared memory).
+// the ranks are split into (ranks [h*W/H, (h+1)*W/H) share host h and its shared memory); and the
+// TCP connections ("" = the default for W, or "eager" / "lazy").
 struct SuiteSetup {
   std::string transport;
   int world;
   int hosts;
+  std::string connections = "";
 };
+
+std::string setup_name(const SuiteSetup& s) {
+  return s.transport + "_W" + std::to_string(s.world) + "_hosts" + std::to_string(s.hosts) +
+         (s.connections.empty() ? "" : "_" + s.connections);
+}
 
 ProcessGroupOptions test_options(const SuiteSetup& setup, int rank, size_t segment_bytes, const std::string& algorithm,
                                  bool tiny_shm_chunks) {
@@ -30,6 +37,7 @@ ProcessGroupOptions test_options(const SuiteSetup& setup, int rank, size_t segme
   o.host_id = "test-host-" + std::to_string(rank * setup.hosts / setup.world);
   o.segment_bytes = segment_bytes;  // tiny segments reach the multi-segment ring paths
   o.allreduce_algorithm = algorithm;
+  if (!setup.connections.empty()) o.tcp_connections = setup.connections;
   if (tiny_shm_chunks) {  // and tiny shared-memory chunks the multi-chunk paths
     o.shm_chunk_bytes = 4096;
     o.shm_small_bytes = 64;
@@ -98,6 +106,7 @@ std::vector<SuiteSetup> algorithm_setups() {
   for (int w = 1; w <= 8; ++w) out.push_back({"tcp", w, 1});
   out.push_back({"hybrid", 6, 3});
   out.push_back({"hybrid", 8, 4});
+  out.push_back({"tcp", 7, 1, "lazy"});  // Rabenseifner's fold and halving partners connect on first use
   return out;
 }
 
@@ -105,9 +114,7 @@ INSTANTIATE_TEST_SUITE_P(Forced, Algorithms,
                          ::testing::Combine(::testing::Values("ring", "recursive_doubling", "rabenseifner"),
                                             ::testing::ValuesIn(algorithm_setups())),
                          [](const auto& info) {
-                           const SuiteSetup& s = std::get<1>(info.param);
-                           return std::get<0>(info.param) + "_" + s.transport + "_W" + std::to_string(s.world) +
-                                  "_hosts" + std::to_string(s.hosts);
+                           return std::get<0>(info.param) + "_" + setup_name(std::get<1>(info.param));
                          });
 
 // Both broadcast shapes forced (CHORUS_BROADCAST_ALGORITHM) at every world size 1..8 over TCP, from
@@ -141,12 +148,15 @@ std::vector<SuiteSetup> setups() {
   out.push_back({"hybrid", 6, 3});  // three hosts of two
   out.push_back({"auto", 4, 1});    // picks shm
   out.push_back({"auto", 3, 2});    // picks hybrid (hosts of 1 and 2 ranks)
+  // Lazy connections: every collective, point-to-point, alltoall and sub-group on connections
+  // made when first needed (W=2: the ring is everything; 3, 5, 8: most pairs connect on first use).
+  for (int w : {2, 3, 5, 8}) out.push_back({"tcp", w, 1, "lazy"});
+  out.push_back({"hybrid", 6, 3, "lazy"});
   return out;
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, Conformance, ::testing::ValuesIn(setups()), [](const auto& info) {
-  return info.param.transport + "_W" + std::to_string(info.param.world) + "_hosts" + std::to_string(info.param.hosts);
-});
+INSTANTIATE_TEST_SUITE_P(Transports, Conformance, ::testing::ValuesIn(setups()),
+                         [](const auto& info) { return setup_name(info.param); });
 
 }  // namespace
 }  // namespace chorus

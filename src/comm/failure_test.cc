@@ -23,13 +23,15 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
-// The failure tests run on every transport ("hybrid": the ranks split into two simulated hosts).
+// The failure tests run on every transport ("hybrid": the ranks split into two simulated hosts;
+// "tcp_lazy": TCP with lazy connections, most pairs connected when first needed).
 class Failure : public ::testing::TestWithParam<std::string> {
  protected:
   ProcessGroupOptions opts(milliseconds timeout, int rank = 0, int world = 1) const {
     ProcessGroupOptions o;
     o.timeout = timeout;
-    o.transport = GetParam();
+    o.transport = GetParam() == "tcp_lazy" ? "tcp" : GetParam();
+    if (GetParam() == "tcp_lazy") o.tcp_connections = "lazy";
     if (GetParam() == "hybrid") o.host_id = "test-host-" + std::to_string(rank * 2 / world);
     return o;
   }
@@ -336,6 +338,20 @@ TEST_P(Failure, PeerWithWrongTokenOrWorldSizeIsRefused) {
   for (const auto& r : sizes) EXPECT_EQ(times_named(r.text, r.rank), 1) << r.text;
 }
 
+// A bad tcp_connections, given or from CHORUS_TCP_CONNECTIONS, fails before any setup, naming the
+// value, where it came from and the choices.
+TEST(Setup, UnknownTcpConnectionsNamesTheChoices) {
+  ProcessGroupOptions o;
+  o.tcp_connections = "sometimes";
+  const std::string given = outcome([&] { ProcessGroup pg(std::make_shared<HashStore>(), 0, 1, o); });
+  EXPECT_NE(given.find("unknown tcp_connections 'sometimes'; available: auto, eager, lazy"), std::string::npos) << given;
+  ::setenv("CHORUS_TCP_CONNECTIONS", "never", 1);
+  const std::string from_env = outcome([&] { ProcessGroup pg(std::make_shared<HashStore>(), 0, 1, {}); });
+  ::unsetenv("CHORUS_TCP_CONNECTIONS");
+  EXPECT_NE(from_env.find("'never' in CHORUS_TCP_CONNECTIONS"), std::string::npos) << from_env;
+  EXPECT_EQ(outcome([&] { ProcessGroup pg(std::make_shared<HashStore>(), 0, 1, {}); }), "ok");
+}
+
 // A setup error from code that does not know the rank (here the store, whose server went away)
 // gets the rank and group in front, once; the transports' own errors (above) name the rank once too.
 TEST(Setup, StoreFailureNamesTheRankAndGroupOnce) {
@@ -361,13 +377,15 @@ TEST(Setup, StoreFailureNamesTheRankAndGroupOnce) {
 // listener while it connects, so only the absent rank is missing from anyone's view.
 TEST(TcpSetup, TimeoutNamesTheMissingRankAndNoLiveOne) {
   const int world = 4, absent = 3;
-  // "tcp" is the mesh setup itself; "auto" first has every rank announce itself in the store.
-  for (const std::string transport : {"tcp", "auto"}) {
+  // "tcp" is the mesh setup itself; "auto" first has every rank announce itself in the store;
+  // "lazy" exchanges every address through the store before connecting the ring.
+  for (const std::string transport : {"tcp", "auto", "lazy"}) {
     auto reports = testing::run_ranks_independent(world, [&](int rank, int w) -> std::string {
       if (rank == absent) return "never started";
       ProcessGroupOptions o;
       o.timeout = milliseconds(1500);
-      o.transport = transport;
+      o.transport = transport == "lazy" ? "tcp" : transport;
+      o.tcp_connections = transport == "lazy" ? "lazy" : "eager";
       return outcome([&] { connect_process_group("env://", rank, w, o); });
     });
     for (const auto& r : reports) {
@@ -554,7 +572,7 @@ TEST(SharedMemory, OversubscribedGroupSleepsInsteadOfSpinningAndFinishes) {
   EXPECT_LT(seconds_since(t0), 30.0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, Failure, ::testing::Values("tcp", "shm", "hybrid"),
+INSTANTIATE_TEST_SUITE_P(Transports, Failure, ::testing::Values("tcp", "shm", "hybrid", "tcp_lazy"),
                          [](const auto& info) { return info.param; });
 
 }  // namespace

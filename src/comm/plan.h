@@ -110,6 +110,13 @@ BroadcastShape choose_broadcast(BroadcastShape forced, size_t bytes, int n, size
 // For connections that follow the algorithms (docs/algorithms.md, "Connections at scale").
 std::vector<int> collective_peers(int rank, int n);
 
+// Whether a TCP group of n ranks connects lazily when nothing is asked for (tcp_connections
+// "auto"): the full mesh costs each rank 2(n-1) sockets and a setup that grows with n, lazy
+// connections a first-use handshake per peer (about 0.1-0.3 ms on loopback). Lazy above
+// kLazyConnectionsFrom - 1 ranks.
+constexpr int kLazyConnectionsFrom = 17;
+constexpr bool lazy_connections_by_default(int n) { return n >= kLazyConnectionsFrom; }
+
 // The hybrid transport's view of the hosts, from every rank's host id (index = rank).
 struct HostPlan {
   std::vector<std::vector<int>> hosts;  // each host's ranks in order; hosts in order of lowest rank

@@ -420,6 +420,22 @@ algo::Tuning detail::tuning_for(const ProcessGroupOptions& options, TransportKin
   return t;
 }
 
+namespace {
+
+// options.tcp_connections (or CHORUS_TCP_CONNECTIONS in its "auto"'s place): lazy or the full mesh.
+bool lazy_connections(const ProcessGroupOptions& options, int size) {
+  std::string name = options.tcp_connections;
+  const char* env = std::getenv("CHORUS_TCP_CONNECTIONS");
+  const bool from_env = name == "auto" && env != nullptr && *env != '\0';
+  if (from_env) name = env;
+  if (name == "auto") return plan::lazy_connections_by_default(size);
+  if (name == "lazy" || name == "eager") return name == "lazy";
+  throw UsageError(std::string("chorus: unknown tcp_connections '") + printable(name) + "'" +
+                   (from_env ? " in CHORUS_TCP_CONNECTIONS" : "") + "; available: auto, eager, lazy");
+}
+
+}  // namespace
+
 ProcessGroup::ProcessGroup(std::shared_ptr<Store> store, int rank, int size, ProcessGroupOptions options)
     : impl_(std::make_unique<Impl>()) {
   if (!store) throw UsageError("chorus: ProcessGroup needs a store");
@@ -433,6 +449,7 @@ ProcessGroup::ProcessGroup(std::shared_ptr<Store> store, int rank, int size, Pro
                      "chorus/comm/mpi.h, or init_process_group(\"mpi\"))");
   }
   detail::tuning_for(options, TransportKind::kTcp);  // a bad algorithm name fails here, before setup
+  lazy_connections(options, size);                   // and so does a bad tcp_connections
   Impl& m = *impl_;
   m.store = std::move(store);
   m.opts = options;
@@ -447,6 +464,7 @@ ProcessGroup::ProcessGroup(std::shared_ptr<Store> store, int rank, int size, Pro
   to.advertise_host = options.advertise_host;
   to.deadline = net::deadline_after(options.timeout);
   to.socket_buffer_bytes = options.socket_buffer_bytes;
+  to.lazy_connections = lazy_connections(options, size);
   to.spin_us = options.spin_us >= 0 ? options.spin_us
                                     : plan::default_spin_us(TransportKind::kTcp, size, std::thread::hardware_concurrency());
   std::unique_ptr<transport::Transport> t;

@@ -140,6 +140,13 @@ std::vector<Child> fork_children(int nprocs, int port, const std::string& token,
     }
     if (pid == 0) {
       ::close(fds[0]);
+      // The child runs without exec: close the earlier children's descriptors it inherited (their
+      // message pipes and pidfds), so that a rank holds only its own, whatever its number.
+      for (int e = 0; e < r; ++e) {
+        const Child& sibling = children[static_cast<size_t>(e)];
+        if (sibling.msg_fd >= 0) ::close(sibling.msg_fd);
+        if (sibling.pidfd >= 0) ::close(sibling.pidfd);
+      }
       run_child(r, nprocs, port, token, fds[1], fn);
     }
     ::close(fds[1]);

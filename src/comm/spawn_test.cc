@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <pthread.h>
 #include <signal.h>
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include <string>
 #include <cstdlib>
 #include <thread>
+#include <vector>
 
 #include "chorus/comm/process_group.h"
 
@@ -60,6 +62,25 @@ TEST(Spawn, ForksWhileNoOtherThreadRuns) {
     if (v != 6) throw std::runtime_error("allreduce gave " + std::to_string(v));
   });
   EXPECT_EQ(g_most_threads_at_fork.load(), before);
+}
+
+// A rank is a fork without exec: it must not keep the descriptors spawn holds for the ranks
+// forked before it (their message pipes and pidfds), or a rank's descriptors grow with its
+// number. Every rank counts its own before it connects: all the same.
+TEST(Spawn, EveryRankHoldsTheSameDescriptorsWhateverItsNumber) {
+  spawn(5, [](int, int world) {
+    int fds = 0;
+    for (int fd = 0; fd < 4096; ++fd) fds += ::fcntl(fd, F_GETFD) != -1 ? 1 : 0;
+    auto pg = connect_process_group();
+    std::vector<int64_t> all(static_cast<size_t>(world), 0);
+    all[static_cast<size_t>(pg->rank())] = fds;
+    pg->allreduce(all.data(), all.size(), DataType::kInt64)->wait();
+    if (*std::min_element(all.begin(), all.end()) != *std::max_element(all.begin(), all.end())) {
+      std::string seen;
+      for (int64_t n : all) seen += " " + std::to_string(n);
+      throw std::runtime_error("descriptors per rank before connecting:" + seen);
+    }
+  });
 }
 
 TEST(Spawn, FailingRankIsReportedAndTheOthersAreEnded) {

@@ -34,7 +34,9 @@ constexpr size_t kDirectReadBytes = 32 * 1024; // payload tails this large are r
 
 std::string TcpTransport::peer_name(int peer) const {
   const Conn& c = conns_[static_cast<size_t>(peer)];
-  return "rank " + std::to_string(peer) + " (" + (c.addr.empty() ? "?" : c.addr) + ")";
+  std::string addr = c.addr;
+  if (addr.empty() && connector_) addr = connector_->address_of(peer);
+  return "rank " + std::to_string(peer) + " (" + (addr.empty() ? "?" : addr) + ")";
 }
 
 // `fd` is the connection this rank opened to `peer` (outgoing) or the one it accepted from it.
@@ -43,6 +45,7 @@ void TcpTransport::attach(int peer, net::Fd fd, bool outgoing) {
   c.peer = peer;
   net::set_nodelay(fd.get());
   net::set_nonblocking(fd.get(), true);
+  if (buffer_bytes_ > 0) net::set_buffer_sizes(fd.get(), buffer_bytes_);
   if (outgoing) {
     c.addr = net::peer_string(fd.get());
     c.tx = std::move(fd);
@@ -52,10 +55,17 @@ void TcpTransport::attach(int peer, net::Fd fd, bool outgoing) {
 }
 
 void TcpTransport::set_buffers(int bytes) {
+  buffer_bytes_ = bytes;
   for (auto& c : conns_) {
     if (c.tx.valid()) net::set_buffer_sizes(c.tx.get(), bytes);
     if (c.rx.valid()) net::set_buffer_sizes(c.rx.get(), bytes);
   }
+}
+
+int TcpTransport::connections() const {
+  int n = connector_ ? 1 : 0;
+  for (const auto& c : conns_) n += (c.tx.valid() ? 1 : 0) + (c.rx.valid() ? 1 : 0);
+  return n;
 }
 
 void TcpTransport::begin(const wire::Call& call, Deadline deadline) {
@@ -66,6 +76,7 @@ void TcpTransport::begin(const wire::Call& call, Deadline deadline) {
 
 Ticket TcpTransport::send(int peer, const wire::Header& header, const void* data, size_t n) {
   Conn& c = conn(peer);
+  if (!c.tx.valid() && connector_ && !closed_ && !aborted_) connector_->connect_to(peer);
   Ticket t = next_ticket_++;
   c.sends.push_back(SendItem{t, header, static_cast<const char*>(data), n});
   pending_.insert(t);
@@ -116,10 +127,14 @@ int TcpTransport::probe_any(const std::vector<int>& peers, int64_t tag) {
       pfds_.push_back(pollfd{c.rx.get(), static_cast<short>(POLLIN | POLLRDHUP), 0});
       pfd_conn_.push_back(&c);
     }
+    const size_t first = pfds_.size();  // then the connector's: a sender may be connecting
+    Deadline wake = deadline_;
+    if (connector_) connector_->prepare(&pfds_, &wake);
     if (Clock::now() >= deadline_) fail_probe_timeout(peers, tag);
-    const int rc = ::poll(pfds_.data(), pfds_.size(), net::ms_until(deadline_));
+    const int rc = ::poll(pfds_.data(), pfds_.size(), net::ms_until(wake));
     if (rc < 0 && errno != EINTR) throw Ranked<Error>(prefix() + ": poll failed: " + std::strerror(errno));
-    for (size_t i = 0; i < pfds_.size(); ++i) {
+    if (connector_ && pfds_.size() > first) connector_->serve(pfds_, first);
+    for (size_t i = 0; i < first; ++i) {
       const short re = pfds_[i].revents;
       if (re == 0) continue;
       if (re & POLLIN) {
@@ -151,6 +166,7 @@ void TcpTransport::abort(const std::string& reason, uint8_t error_class) {
   for (auto& c : conns_) {
     if (c.tx.valid()) ::shutdown(c.tx.get(), SHUT_WR);
   }
+  connector_.reset();  // peers that would connect now are refused: they learn this rank is gone
   aborted_ = true;
   pending_.clear();
   for (auto& c : conns_) {
@@ -203,6 +219,7 @@ void TcpTransport::say_to_all(const wire::Header& h, const std::string& payload)
 
 void TcpTransport::shutdown_all() {
   closed_ = true;
+  connector_.reset();
   for (auto& c : conns_) {
     if (c.tx.valid()) ::shutdown(c.tx.get(), SHUT_WR);
   }
@@ -366,28 +383,28 @@ void TcpTransport::read_ahead(Conn& c) {
                                  : "while this rank was sending to it");
 }
 
+// Moves what can move on every connection without blocking; true if anything did.
+bool TcpTransport::pump_all() {
+  bool progressed = false;
+  for (auto& c : conns_) {
+    if (!c.sends.empty() && c.tx.valid()) progressed |= pump_sends(c);
+    if (!c.recvs.empty() && c.rx.valid()) progressed |= pump_recvs(c);
+  }
+  return progressed;
+}
+
 // One round: try every connection with work; if nothing moved, sleep in poll() until
-// something can, watching idle connections for hangups.
+// something can, watching idle connections for hangups (and, when lazy, the listener and the
+// connections being made).
 void TcpTransport::progress() {
   if (closed_ || aborted_) {
     throw Ranked<PeerError>(prefix() + ": the transport is closed");
   }
-  bool progressed = false;
-  for (auto& c : conns_) {
-    if (!c.rx.valid()) continue;
-    if (!c.sends.empty()) progressed |= pump_sends(c);
-    if (!c.recvs.empty()) progressed |= pump_recvs(c);
-  }
-  if (progressed || pending_.empty()) return;
+  if (pump_all() || pending_.empty()) return;
   if (spin_us_ > 0 && (spin_gate_ == nullptr || spin_gate_->load(std::memory_order_relaxed) > 0)) {
     auto until = Clock::now() + std::chrono::microseconds(spin_us_);
     while (Clock::now() < until) {
-      for (auto& c : conns_) {
-        if (!c.rx.valid()) continue;
-        if (!c.sends.empty()) progressed |= pump_sends(c);
-        if (!c.recvs.empty()) progressed |= pump_recvs(c);
-      }
-      if (progressed) return;
+      if (pump_all()) return;
     }
   }
   pfds_.clear();
@@ -395,12 +412,12 @@ void TcpTransport::progress() {
   bool sending = false;
   for (const auto& c : conns_) sending |= !c.sends.empty();
   for (auto& c : conns_) {
-    if (!c.rx.valid()) continue;
     // tx is watched only while it has something to send; an error on it surfaces in sendmsg.
-    if (!c.sends.empty()) {
+    if (!c.sends.empty() && c.tx.valid()) {
       pfds_.push_back(pollfd{c.tx.get(), POLLOUT, 0});
       pfd_conn_.push_back(nullptr);
     }
+    if (!c.rx.valid()) continue;
     const bool busy = !c.sends.empty() || !c.recvs.empty();
     if (!busy && c.quiet_hup) continue;
     // Every peer's rx is watched for hangups, so a peer's death fails this operation at once
@@ -412,13 +429,17 @@ void TcpTransport::progress() {
     pfds_.push_back(pollfd{c.rx.get(), ev, 0});
     pfd_conn_.push_back(&c);
   }
+  const size_t first = pfds_.size();  // the connector's entries follow
+  Deadline wake = deadline_;
+  if (connector_) connector_->prepare(&pfds_, &wake);
   if (Clock::now() >= deadline_) fail_timeout();
-  int rc = ::poll(pfds_.data(), pfds_.size(), net::ms_until(deadline_));
+  int rc = ::poll(pfds_.data(), pfds_.size(), net::ms_until(wake));
   if (rc < 0 && errno != EINTR) {
     throw Ranked<Error>(prefix() + ": poll failed: " + std::strerror(errno));
   }
   if (rc == 0 && Clock::now() >= deadline_) fail_timeout();
-  for (size_t i = 0; i < pfds_.size(); ++i) {
+  if (connector_ && pfds_.size() > first) connector_->serve(pfds_, first);
+  for (size_t i = 0; i < first; ++i) {
     if (pfd_conn_[i] == nullptr) continue;  // a tx: the next round's sendmsg moves on or fails
     Conn& c = *pfd_conn_[i];
     short re = pfds_[i].revents;

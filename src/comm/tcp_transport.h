@@ -1,8 +1,9 @@
 // Internal: the TCP transport's class, shared by the files that implement it. tcp_transport.cc holds
 // the posting API and the progress engine (poll, sendmsg, recv, read-ahead); tcp_transport_errors.cc
 // holds what happens when a peer fails, says goodbye or is too slow (the errors raised, the abort
-// relayed from a failing peer); tcp_transport_setup.cc builds the mesh of connections and hands
-// each one to attach(). Threading and wire format: docs/threading.md, docs/wire-format.md.
+// relayed from a failing peer); tcp_transport_setup.cc makes the connections (all of them at setup,
+// or, when lazy, the ring's at setup and each other one when first needed) and hands each one to
+// attach(). Threading and wire format: docs/threading.md, docs/wire-format.md.
 #pragma once
 
 #include <poll.h>
@@ -10,6 +11,7 @@
 #include <atomic>
 #include <cstring>
 #include <deque>
+#include <memory>
 #include <string>
 #include <unordered_set>
 #include <vector>
@@ -19,6 +21,25 @@
 namespace chorus::transport::detail {
 
 constexpr size_t kInboxBytes = 64 * 1024;  // read-ahead buffer per connection
+
+// Makes the connections a lazy transport lacks, from inside its progress engine (the listener
+// stays open, and every handshake is a non-blocking state machine beside the transfers, so two
+// ranks that first send to each other at the same time do not deadlock). Implemented by the setup
+// (tcp_transport_setup.cc); the transport owns it for the group's life.
+class TcpConnector {
+ public:
+  virtual ~TcpConnector() = default;
+  // Starts connecting to `peer` (this rank's outgoing connection), unless it is already under way.
+  virtual void connect_to(int peer) = 0;
+  // Appends what the connector waits for to `pfds` and lowers `wake` to its next timer.
+  virtual void prepare(std::vector<pollfd>* pfds, net::Deadline* wake) = 0;
+  // After poll(): serves the entries prepare() appended, from index `first` on. May attach
+  // connections; throws if a peer refuses this rank or is gone.
+  virtual void serve(const std::vector<pollfd>& pfds, size_t first) = 0;
+  // For messages: the peer's listening address, and where this rank's connection to it stands.
+  virtual std::string address_of(int peer) const = 0;
+  virtual std::string outgoing_state(int peer) const = 0;
+};
 
 class TcpTransport final : public Transport {
  public:
@@ -34,7 +55,13 @@ class TcpTransport final : public Transport {
 
   // `fd` is the connection this rank opened to `peer` (outgoing) or the one it accepted from it.
   void attach(int peer, net::Fd fd, bool outgoing);
+  // SO_SNDBUF/SO_RCVBUF for every connection, those attached later included (0: autotuning).
   void set_buffers(int bytes);
+  // Lazy connections: peers without a connection are connected through `connector` when first
+  // needed. Without one (the full mesh), every connection is attached at setup.
+  void set_connector(std::unique_ptr<TcpConnector> connector) { connector_ = std::move(connector); }
+  // Descriptors this transport holds: its connections, and the listener when lazy.
+  int connections() const;
 
   // Busy-polling pays off at every size while a thread waits on the group (small messages: the
   // latency of a wake-up; large ones: 15-20% more bandwidth over loopback, measured on the 2-core
@@ -86,6 +113,7 @@ class TcpTransport final : public Transport {
   bool pump_recvs(Conn& c);
   bool pump_sends(Conn& c);
   void read_ahead(Conn& c);
+  bool pump_all();
   void progress();
 
   // Failures (tcp_transport_errors.cc).
@@ -102,6 +130,8 @@ class TcpTransport final : public Transport {
   int spin_us_;
   const std::atomic<int>* spin_gate_ = nullptr;  // threads blocked on the group; spin only if > 0
   std::vector<Conn> conns_;
+  std::unique_ptr<TcpConnector> connector_;  // lazy: makes the missing connections
+  int buffer_bytes_ = 0;
   std::unordered_set<Ticket> pending_;
   Ticket next_ticket_ = 1;
   wire::Call call_;

@@ -137,11 +137,19 @@ void TcpTransport::fail_timeout() {
   out << prefix() << ": timed out after " << net::format_duration(Clock::now() - start_);
   const char* sep = " waiting for ";
   for (const auto& c : conns_) {
-    if (!c.recvs.empty()) {
+    if (!c.recvs.empty() && !c.rx.valid()) {
+      out << sep << peer_name(c.peer) << " to connect to this rank and send its next message (it has not "
+          << "connected yet: it has not reached its matching send, or cannot reach this rank's address)";
+      sep = "; and for ";
+    } else if (!c.recvs.empty()) {
       const RecvItem& r = c.recvs.front();
       out << sep << peer_name(c.peer) << " to send "
           << (r.have_header ? std::to_string(r.n - r.got) + " more of " + std::to_string(r.n) + " bytes"
                             : "its next message");
+      sep = "; and for ";
+    } else if (!c.sends.empty() && !c.tx.valid()) {
+      out << sep << peer_name(c.peer) << " to take this rank's connection ("
+          << (connector_ ? connector_->outgoing_state(c.peer) : std::string("not connected")) << ")";
       sep = "; and for ";
     } else if (!c.sends.empty()) {
       out << sep << peer_name(c.peer) << " to take " << (sizeof(wire::Header) + c.sends.front().n - c.sends.front().off)

@@ -1,7 +1,10 @@
-// The TCP transport's setup: the full mesh of one process group (docs/wire-format.md). Each rank
-// publishes its listening address in the store, connects to every other rank and proves the job
-// token on that connection, and accepts one proven connection from every other rank, all from one
-// poll loop; strangers, other jobs and misconfigured ranks are refused with a reason. The finished
+// The TCP transport's connections (docs/wire-format.md). Each rank publishes its listening address
+// in the store, connects to other ranks and proves the job token on each connection, and accepts
+// proven connections from them, all from one poll loop; strangers, other jobs and misconfigured
+// ranks are refused with a reason. The full mesh connects every pair at setup. Lazy connections
+// (docs/algorithms.md, "Connections at scale") connect the ring's neighbours at setup and every
+// other pair when a send first needs it: the same state machines then run inside the transport's
+// progress engine (TcpConnector), with the listener open for the group's life. The finished
 // connections go to TcpTransport::attach (tcp_transport.h).
 #include <poll.h>
 #include <sys/socket.h>
@@ -71,11 +74,12 @@ constexpr auto kMaxStorePoll = std::chrono::milliseconds(100);
 // the token on that connection; accept one proven connection from every other rank. All of it
 // runs at once from one poll loop, so no peer, slow or absent or hostile, delays the others, and a
 // timeout names exactly the ranks that did not do their part.
-class MeshSetup {
+class MeshSetup final : public detail::TcpConnector {
  public:
   MeshSetup(const TcpOptions& o, TcpTransport* t, std::string secret)
       : o_(o), t_(t), secret_(std::move(secret)), me_("rank " + std::to_string(o.rank)),
-        out_(static_cast<size_t>(o.size)), seen_(static_cast<size_t>(o.size), false) {}
+        out_(static_cast<size_t>(o.size)), seen_(static_cast<size_t>(o.size), false),
+        expected_(static_cast<size_t>(o.size), false) {}
 
   void run() {
     const std::string host = o_.advertise_host.empty() ? "127.0.0.1" : o_.advertise_host;
@@ -84,12 +88,28 @@ class MeshSetup {
     listener_ = net::listen_tcp(host == "127.0.0.1" ? "127.0.0.1" : (ipv6 ? "::" : ""), 0);
     net::set_nonblocking(listener_.get(), true);
     listen_addr_ = (ipv6 ? "[" + host + "]" : host) + ":" + std::to_string(net::local_port(listener_.get()));
-    o_.store->set(o_.key_prefix + "/addr/" + std::to_string(o_.rank), listen_addr_);
-    for (int p = 0; p < o_.size; ++p) {
-      if (p != o_.rank) ++outgoing_left_;
-    }
-    incoming_left_ = outgoing_left_;
+    o_.store->set(addr_key(o_.rank), listen_addr_);
+    for (int p = 0; p < o_.size; ++p) out_[static_cast<size_t>(p)].peer = p;
     try {
+      if (o_.lazy_connections) {
+        // Every address is known before anyone connects, so a missing rank fails the setup and a
+        // later connection needs nothing from the store; then the ring's neighbours, so that the
+        // connections form one graph from the start and an abort relayed from a failing rank
+        // reaches every rank.
+        exchange_addresses();
+        for (int p : {(o_.rank + 1) % o_.size, (o_.rank + o_.size - 1) % o_.size}) {
+          if (!expected_[static_cast<size_t>(p)]) {
+            expected_[static_cast<size_t>(p)] = true;
+            connect_to(p);
+          }
+        }
+      } else {
+        for (int p = 0; p < o_.size; ++p) expected_[static_cast<size_t>(p)] = p != o_.rank;
+      }
+      for (int p = 0; p < o_.size; ++p) {
+        if (expected_[static_cast<size_t>(p)]) ++outgoing_left_;
+      }
+      incoming_left_ = outgoing_left_;
       loop();
     } catch (const Error& e) {
       farewell(e.what());
@@ -101,13 +121,90 @@ class MeshSetup {
       if (!c.fd.valid() || !c.closing) continue;
       flush_closing(c);
       handshake::drain_until_closed(c.fd.get());
+      c.fd.reset();
     }
-    in_.clear();
+    // Lazy: a rank that finished its setup first may be connecting already; its handshake goes
+    // on in the progress engine. (The full mesh has no other connection to wait for.)
+    if (!o_.lazy_connections) in_.clear();
+    in_.erase(std::remove_if(in_.begin(), in_.end(), [](const Incoming& c) { return !c.fd.valid(); }), in_.end());
+    setup_done_ = true;
+    o_.store = nullptr;  // the setup's store (a recording wrapper) is gone once it returns
+  }
+
+  // TcpConnector, used once the setup has returned (lazy connections only).
+  void connect_to(int peer) override {
+    Outgoing& c = out_[static_cast<size_t>(peer)];
+    if (c.state != Outgoing::kIdle) return;
+    c.state = Outgoing::kWaitRetry;
+    c.retry_at = Clock::now();
+  }
+
+  void prepare(std::vector<pollfd>* pfds, Deadline* wake) override {
+    if (!setup_done_ && missing_addresses() > 0 && Clock::now() >= next_store_check_) {
+      look_up_addresses();
+      store_poll_ = std::min(store_poll_ * 2, std::chrono::duration_cast<std::chrono::milliseconds>(kMaxStorePoll));
+      next_store_check_ = Clock::now() + store_poll_;
+    }
+    if (!setup_done_ && missing_addresses() > 0) *wake = std::min(*wake, next_store_check_);
+    for (auto& c : out_) {
+      if (c.state == Outgoing::kWaitRetry) {
+        if (Clock::now() >= c.retry_at) start_connect(c);
+        if (c.state == Outgoing::kWaitRetry) *wake = std::min(*wake, c.retry_at);
+      }
+    }
+    expire_incoming();
+    what_.clear();
+    pfds->push_back(pollfd{listener_.get(), POLLIN, 0});
+    what_.emplace_back(0, 0);
+    for (auto& c : out_) {
+      if (c.state == Outgoing::kConnecting) {
+        pfds->push_back(pollfd{c.fd.get(), POLLOUT, 0});
+      } else if (c.state == Outgoing::kHandshaking) {
+        pfds->push_back(pollfd{c.fd.get(), static_cast<short>(POLLIN | (c.out.empty() ? 0 : POLLOUT)), 0});
+      } else {
+        continue;
+      }
+      what_.emplace_back(1, static_cast<size_t>(c.peer));
+    }
+    for (size_t i = 0; i < in_.size(); ++i) {
+      pfds->push_back(pollfd{in_[i].fd.get(), static_cast<short>(POLLIN | (in_[i].out.empty() ? 0 : POLLOUT)), 0});
+      what_.emplace_back(2, i);
+      *wake = std::min(*wake, in_[i].until);
+    }
+  }
+
+  void serve(const std::vector<pollfd>& pfds, size_t first) override {
+    for (size_t i = 0; i < what_.size() && first + i < pfds.size(); ++i) {
+      const short re = pfds[first + i].revents;
+      if (re == 0) continue;
+      if (what_[i].first == 1) serve_outgoing(out_[what_[i].second], re);
+      if (what_[i].first == 2) serve_incoming(in_[what_[i].second], re);
+    }
+    // Accepting last: it may drop (and so move) the oldest incoming connections.
+    if (first < pfds.size() && (pfds[first].revents & POLLIN)) accept_all();
+    in_.erase(std::remove_if(in_.begin(), in_.end(), [](const Incoming& c) { return !c.fd.valid(); }), in_.end());
+  }
+
+  std::string address_of(int peer) const override { return out_[static_cast<size_t>(peer)].addr; }
+
+  std::string outgoing_state(int peer) const override {
+    const Outgoing& c = out_[static_cast<size_t>(peer)];
+    switch (c.state) {
+      case Outgoing::kNeedAddr: return "its address is not known";
+      case Outgoing::kIdle: return "not started";
+      case Outgoing::kWaitRetry:
+        return "connecting to " + c.addr + (c.last_error.empty() ? "" : ", last try: " + c.last_error);
+      case Outgoing::kConnecting: return "connecting to " + c.addr;
+      case Outgoing::kHandshaking: return "no answer yet to this rank's handshake at " + c.addr;
+      case Outgoing::kDone: return "connected";
+    }
+    return "";
   }
 
  private:
   struct Outgoing {
-    enum State { kNeedAddr, kWaitRetry, kConnecting, kHandshaking, kDone };
+    // kIdle: the address is known, no connection is wanted yet (lazy connections).
+    enum State { kNeedAddr, kIdle, kWaitRetry, kConnecting, kHandshaking, kDone };
     State state = kNeedAddr;
     std::string addr, host;
     int port = 0;
@@ -130,7 +227,72 @@ class MeshSetup {
     bool half_closed = false;
   };
 
-  std::string prefix() const { return "chorus: " + me_ + ": group '" + o_.group_name + "' setup"; }
+  std::string prefix() const {
+    return "chorus: " + me_ + ": group '" + o_.group_name + "'" + (setup_done_ ? "" : " setup");
+  }
+  std::string addr_key(int rank) const { return o_.key_prefix + "/addr/" + std::to_string(rank); }
+  // How long a handshake step may take: the setup's deadline, or a fixed budget afterwards.
+  Deadline io_deadline() const {
+    return setup_done_ ? Clock::now() + kIncomingBudget : std::min(o_.deadline, Clock::now() + kIncomingBudget);
+  }
+
+  // Lazy connections: rank 0 waits for every address and publishes them as one key (after its
+  // world size, which every rank checks against its own), which the others read, so the store
+  // serves O(W) requests rather than W per rank. A rank that never publishes is named by every
+  // rank when the setup times out.
+  void exchange_addresses() {
+    const std::string all_key = o_.key_prefix + "/addrs";
+    const auto left = [&] {
+      return std::max(std::chrono::milliseconds(1),
+                      std::chrono::duration_cast<std::chrono::milliseconds>(o_.deadline - Clock::now()));
+    };
+    std::string all;
+    try {
+      if (o_.rank == 0) {
+        std::vector<std::string> keys;
+        for (int p = 0; p < o_.size; ++p) keys.push_back(addr_key(p));
+        o_.store->wait(keys, left());
+        all = "world_size=" + std::to_string(o_.size) + "\n";
+        for (const auto& k : keys) all += o_.store->get(k) + "\n";
+        o_.store->set(all_key, all);
+      } else {
+        o_.store->wait({all_key}, left());
+        all = o_.store->get(all_key);
+      }
+    } catch (const TimeoutError&) {
+      std::string absent;
+      for (int p = 0; p < o_.size; ++p) {
+        if (!o_.store->check({addr_key(p)})) absent += (absent.empty() ? "" : ", ") + std::to_string(p);
+      }
+      throw Ranked<TimeoutError>(prefix() + " timed out; rank(s) [" + absent + "] never published an address in the "
+                                 "store: they are missing (not started, crashed before creating the group, or "
+                                 "creating another group); is every rank running, in the same group?");
+    }
+    const std::string world = "world_size=" + std::to_string(o_.size) + "\n";
+    if (all.compare(0, world.size(), world) != 0) {
+      throw Ranked<HandshakeError>(prefix() + ": world size mismatch: rank 0 published the group's addresses for " +
+                                   printable(all.substr(0, all.find('\n'))) + " but " + me_ + " has world size " +
+                                   std::to_string(o_.size) + " (store key " + all_key + "); every rank must be given "
+                                   "the same world size");
+    }
+    size_t begin = world.size();
+    for (int p = 0; p < o_.size; ++p) {
+      const size_t end = all.find('\n', begin);
+      if (end == std::string::npos) {
+        throw Ranked<HandshakeError>(prefix() + ": the address list in the store (key " + all_key + ") has fewer "
+                                     "than " + std::to_string(o_.size) + " entries; another job writing the same keys?");
+      }
+      Outgoing& c = out_[static_cast<size_t>(p)];
+      c.addr = all.substr(begin, end - begin);
+      begin = end + 1;
+      if (p == o_.rank) continue;
+      if (const std::string bad = split_host_port(c.addr, &c.host, &c.port); !bad.empty()) {
+        throw Ranked<HandshakeError>(prefix() + ": rank " + std::to_string(p) + " published a listen address this rank "
+                                     "cannot use: " + bad + " (store key " + all_key + ")");
+      }
+      c.state = Outgoing::kIdle;
+    }
+  }
 
   // One log line about a connection this rank dropped or refused; a flood of them is summed up.
   void note(const std::string& what, const std::string& from, const std::string& why) {
@@ -144,58 +306,15 @@ class MeshSetup {
   }
 
   void loop() {
-    for (int p = 0; p < o_.size; ++p) out_[static_cast<size_t>(p)].peer = p;
-    auto store_poll = kFirstStorePoll;
-    Deadline next_store_check = Clock::now();
     std::vector<pollfd> pfds;
-    std::vector<std::pair<int, size_t>> what;  // per pollfd: 0 listener, 1 outgoing peer, 2 incoming index
     while (outgoing_left_ > 0 || incoming_left_ > 0) {
-      Deadline now = Clock::now();
-      if (now >= o_.deadline) fail_timeout();
-      if (missing_addresses() > 0 && now >= next_store_check) {
-        look_up_addresses();
-        store_poll = std::min(store_poll * 2, std::chrono::duration_cast<std::chrono::milliseconds>(kMaxStorePoll));
-        next_store_check = Clock::now() + store_poll;
-      }
+      if (Clock::now() >= o_.deadline) fail_timeout();
       Deadline wake = o_.deadline;
-      if (missing_addresses() > 0) wake = std::min(wake, next_store_check);
-      for (auto& c : out_) {
-        if (c.state == Outgoing::kWaitRetry) {
-          if (Clock::now() >= c.retry_at) start_connect(c);
-          if (c.state == Outgoing::kWaitRetry) wake = std::min(wake, c.retry_at);
-        }
-      }
-      expire_incoming();
       pfds.clear();
-      what.clear();
-      pfds.push_back(pollfd{listener_.get(), POLLIN, 0});
-      what.emplace_back(0, 0);
-      for (auto& c : out_) {
-        if (c.state == Outgoing::kConnecting) {
-          pfds.push_back(pollfd{c.fd.get(), POLLOUT, 0});
-        } else if (c.state == Outgoing::kHandshaking) {
-          pfds.push_back(pollfd{c.fd.get(), static_cast<short>(POLLIN | (c.out.empty() ? 0 : POLLOUT)), 0});
-        } else {
-          continue;
-        }
-        what.emplace_back(1, static_cast<size_t>(c.peer));
-      }
-      for (size_t i = 0; i < in_.size(); ++i) {
-        pfds.push_back(pollfd{in_[i].fd.get(), static_cast<short>(POLLIN | (in_[i].out.empty() ? 0 : POLLOUT)), 0});
-        what.emplace_back(2, i);
-        wake = std::min(wake, in_[i].until);
-      }
+      prepare(&pfds, &wake);
       int rc = ::poll(pfds.data(), pfds.size(), net::ms_until(wake));
       if (rc < 0 && errno != EINTR) throw Ranked<Error>(prefix() + ": poll failed: " + std::strerror(errno));
-      for (size_t i = 0; rc > 0 && i < pfds.size(); ++i) {
-        const short re = pfds[i].revents;
-        if (re == 0) continue;
-        if (what[i].first == 1) serve_outgoing(out_[what[i].second], re);
-        if (what[i].first == 2) serve_incoming(in_[what[i].second], re);
-      }
-      // Accepting last: it may drop (and so move) the oldest incoming connections.
-      if (rc > 0 && (pfds[0].revents & POLLIN)) accept_all();
-      in_.erase(std::remove_if(in_.begin(), in_.end(), [](const Incoming& c) { return !c.fd.valid(); }), in_.end());
+      if (rc > 0) serve(pfds, 0);
     }
   }
 
@@ -241,6 +360,13 @@ class MeshSetup {
       const int err = net::connect_result(c.fd.get());
       if (err != 0) {
         c.last_error = std::string("connect: ") + std::strerror(err) + " (errno " + std::to_string(err) + ")";
+        if (setup_done_) {
+          // Every rank listened before it published its address and keeps listening while its
+          // group lives: a refusal now means the process has exited or closed its group.
+          throw Ranked<PeerError>(prefix() + ": cannot connect to " + c.what() + " (" + c.last_error + "), which " +
+                                  "this rank sends to for the first time: its process has probably exited or "
+                                  "closed its group");
+        }
         retry_later(c);  // the peer may be about to listen, or restarting; the deadline decides
         return;
       }
@@ -277,7 +403,7 @@ class MeshSetup {
     c.hs.reset();
     c.state = Outgoing::kDone;
     t_->attach(c.peer, std::move(c.fd), /*outgoing=*/true);
-    --outgoing_left_;
+    if (expected_[static_cast<size_t>(c.peer)]) --outgoing_left_;
   }
 
   // Sends what the kernel takes now; the rest waits for POLLOUT. Handshake messages are tiny, so
@@ -313,7 +439,7 @@ class MeshSetup {
       c.fd = net::Fd(fd);
       c.from = net::peer_string(fd);
       c.hs = std::make_unique<handshake::Server>(secret_);
-      c.until = std::min(o_.deadline, Clock::now() + kIncomingBudget);
+      c.until = io_deadline();
       in_.push_back(std::move(c));
     }
   }
@@ -426,7 +552,7 @@ class MeshSetup {
       return;
     }
     const std::string accept = c.hs->accept();
-    net::IoResult w = net::write_full(c.fd.get(), accept.data(), accept.size(), o_.deadline);
+    net::IoResult w = net::write_full(c.fd.get(), accept.data(), accept.size(), io_deadline());
     if (!w.ok()) {
       chorus::log(LogLevel::kWarning, me_ + ": lost the connection from rank " + std::to_string(from) + " (" + c.from +
                                   ") while accepting it: " + w.describe());
@@ -435,7 +561,7 @@ class MeshSetup {
     }
     seen_[static_cast<size_t>(from)] = true;
     t_->attach(from, std::move(c.fd), /*outgoing=*/false);
-    --incoming_left_;
+    if (expected_[static_cast<size_t>(from)]) --incoming_left_;  // lazy: others may connect early
   }
 
   // Setup failed: every connection waiting here, in the backlog, or about to come from a rank that
@@ -484,11 +610,12 @@ class MeshSetup {
       const std::string r = std::to_string(c.peer);
       switch (c.state) {
         case Outgoing::kNeedAddr: absent.push_back(r); break;
+        case Outgoing::kIdle: break;
         case Outgoing::kWaitRetry:
         case Outgoing::kConnecting: unreachable.push_back(c.what() + " (" + c.last_error + ")"); break;
         case Outgoing::kHandshaking: unanswered.push_back(c.what()); break;
         case Outgoing::kDone:
-          if (!seen_[static_cast<size_t>(c.peer)]) unconnected.push_back(r);
+          if (expected_[static_cast<size_t>(c.peer)] && !seen_[static_cast<size_t>(c.peer)]) unconnected.push_back(r);
           break;
       }
     }
@@ -510,7 +637,7 @@ class MeshSetup {
     throw Ranked<TimeoutError>(out + "; is every rank running, in the same group, and able to reach the others?");
   }
 
-  const TcpOptions& o_;
+  TcpOptions o_;
   TcpTransport* t_;
   std::string secret_;
   std::string me_;
@@ -519,6 +646,11 @@ class MeshSetup {
   std::vector<Outgoing> out_;
   std::vector<Incoming> in_;
   std::vector<bool> seen_;
+  std::vector<bool> expected_;  // peers whose connections the setup waits for (all, or the ring's)
+  std::vector<std::pair<int, size_t>> what_;  // per pollfd of prepare(): 0 listener, 1 outgoing peer, 2 incoming
+  bool setup_done_ = false;
+  std::chrono::milliseconds store_poll_ = kFirstStorePoll;
+  Deadline next_store_check_ = Clock::now();
   int outgoing_left_ = 0;
   int incoming_left_ = 0;
   int64_t noted_ = 0;
@@ -538,8 +670,10 @@ std::unique_ptr<Transport> make_tcp_transport(const TcpOptions& o) {
   if (o.store == nullptr) throw UsageError("make_tcp_transport: a store is required");
   auto t = std::make_unique<TcpTransport>(o.rank, o.size, o.spin_us);
   if (o.size == 1) return t;
-  MeshSetup(o, t.get(), group_secret(o)).run();
+  auto setup = std::make_unique<MeshSetup>(o, t.get(), group_secret(o));
+  setup->run();
   if (o.socket_buffer_bytes > 0) t->set_buffers(o.socket_buffer_bytes);
+  if (o.lazy_connections) t->set_connector(std::move(setup));
   return t;
 }
 

@@ -156,11 +156,15 @@ struct TcpOptions {
   net::Deadline deadline;       // for the whole mesh setup
   int socket_buffer_bytes = 0;  // SO_SNDBUF/SO_RCVBUF; 0 = kernel autotuning
   int spin_us = 0;              // busy-poll this long before sleeping in poll()
+  // false: the full mesh at setup. true: the ring's neighbours at setup, every other peer when a
+  // send to it first needs the connection (docs/algorithms.md, "Connections at scale").
+  bool lazy_connections = false;
 };
 
-// Builds the full mesh: listens on a kernel-chosen port, publishes it in the store, connects to
-// lower ranks and accepts higher ranks, with the token handshake and a check that both sides agree
-// on group, world size and ranks. Throws HandshakeError/TimeoutError naming the peer otherwise.
+// Listens on a kernel-chosen port, publishes it in the store, and connects to the other ranks
+// (all of them, or the ring's neighbours when lazy), with the token handshake and a check that
+// both sides agree on group, world size and ranks. Throws HandshakeError/TimeoutError naming the
+// peer otherwise.
 std::unique_ptr<Transport> make_tcp_transport(const TcpOptions& options);
 
 struct ShmOptions {

@@ -296,6 +296,14 @@ void rank_main(const BenchArgs& a, std::shared_ptr<ProcessGroup> pg, SetupCost s
                          {"correct", ok}});
     }
   }
+  // With lazy connections a rank connects to the peers its algorithms use as it first needs them:
+  // what it holds once the operations ran.
+  double after = open_fds();
+  pg->allreduce(&after, 1, DataType::kFloat64, ReduceOp::kMax)->wait();
+  if (rank == 0) {
+    if (!a.quiet) std::printf("# after the operations: at most %.0f file descriptors per rank\n", after);
+    for (auto& r : records) r["fds_after_ops"] = after;
+  }
   if (rank == 0 && !a.json.empty()) {
     std::ofstream out(a.json);
     out << records.dump(2) << "\n";

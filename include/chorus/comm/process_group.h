@@ -62,6 +62,12 @@ struct ProcessGroupOptions {
   double link_latency_us = 0;
   double link_gbit_per_s = 0;
   int socket_buffer_bytes = 0;                 // 0 = kernel autotuning
+  // TCP connections (tcp, and hybrid's across hosts): "eager" connects every pair of ranks at
+  // setup (2(W-1) sockets per rank); "lazy" connects the ring's neighbours at setup and any other
+  // pair when a send first needs it, so a rank holds the connections its algorithms use (about
+  // 2 log2 W for the collectives); "auto" is lazy from 17 ranks on (docs/algorithms.md,
+  // "Connections at scale"). CHORUS_TCP_CONNECTIONS in the environment replaces "auto".
+  std::string tcp_connections = "auto";
   // Busy-poll this long before sleeping in poll() while an operation waits for data; cuts small-
   // message latency. -1 = 20 us when the group has no more ranks than this host has cores, else 0
   // (spinning on an oversubscribed host takes the core the peer needs).
