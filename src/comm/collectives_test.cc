@@ -117,6 +117,25 @@ INSTANTIATE_TEST_SUITE_P(Forced, Algorithms,
                            return std::get<0>(info.param) + "_" + setup_name(std::get<1>(info.param));
                          });
 
+// The hybrid's allreduce forced flat (CHORUS_HYBRID_ALLREDUCE): one TCP algorithm over every rank of
+// 2 and 3 simulated hosts, even and uneven, every dtype and op; the same results as hierarchical.
+class FlatHybrid : public ::testing::TestWithParam<SuiteSetup> {};
+
+TEST_P(FlatHybrid, EveryAllreduceDtypeOpAndSize) {
+  const SuiteSetup setup = GetParam();
+  EXPECT_EQ(testing::run_ranks(setup.world, [&](int rank, int w, std::shared_ptr<Store>) {
+    ::setenv("CHORUS_HYBRID_ALLREDUCE", "flat", 1);  // this rank's process alone
+    auto pg = connect_process_group("env://", rank, w, test_options(setup, rank, 96, "auto", false));
+    if (pg->transport() != "hybrid") throw std::runtime_error("transport is " + pg->transport() + ", not hybrid");
+    conformance::every_allreduce(*pg);
+  }, std::chrono::seconds(120)), "");
+}
+
+INSTANTIATE_TEST_SUITE_P(Forced, FlatHybrid,
+                         ::testing::Values(SuiteSetup{"hybrid", 4, 2}, SuiteSetup{"hybrid", 5, 2},
+                                           SuiteSetup{"hybrid", 6, 3}),
+                         [](const auto& info) { return setup_name(info.param); });
+
 // Both broadcast shapes forced (CHORUS_BROADCAST_ALGORITHM) at every world size 1..8 over TCP, from
 // every root, with 96-byte segments (the chain's pieces: many per call).
 class BroadcastShapes : public ::testing::TestWithParam<std::tuple<std::string, int>> {};

@@ -85,6 +85,9 @@ class HybridTransport final : public Transport, public NativeCollectives {
     chunk_bytes_ = shm_chunk_bytes(o.shm);
     tune_.allreduce = o.allreduce;
     tune_.link = o.link;
+    hierarchy_ = o.hierarchy;
+    local_link_ = plan::default_link_model(TransportKind::kShm);
+    for (const auto& h : hosts_) per_host_ = std::max(per_host_, static_cast<int>(h.size()));
   }
   ~HybridTransport() override { close(); }
 
@@ -116,6 +119,12 @@ class HybridTransport final : public Transport, public NativeCollectives {
   NativeCollectives* native() override { return this; }
 
   bool allreduce(void* buf, size_t count, DataType dtype, ReduceOp op) override {
+    // Flat: the caller runs one TCP algorithm over every rank (plan::choose_hierarchy; every rank
+    // computes the same choice from the same figures).
+    if (plan::choose_hierarchy(hierarchy_, count * element_size(dtype), static_cast<int>(hosts_.size()), per_host_,
+                               tune_.link, local_link_) == plan::Hierarchy::kFlat) {
+      return false;
+    }
     // Sums within and across hosts; an average divides by the whole world once, at the end.
     const ReduceOp partial = op == ReduceOp::kAvg ? ReduceOp::kSum : op;
     auto across = [&](void* slice, size_t n) {
@@ -180,6 +189,9 @@ class HybridTransport final : public Transport, public NativeCollectives {
   size_t chunk_bytes_ = 0;
   algo::Scratch scratch_;
   algo::Tuning tune_;
+  plan::Hierarchy hierarchy_ = plan::Hierarchy::kAuto;
+  plan::LinkModel local_link_;
+  int per_host_ = 1;  // the most ranks any host has
   wire::Call call_;
 };
 

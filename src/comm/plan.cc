@@ -241,6 +241,66 @@ AllreduceAlgorithm choose_allreduce(AllreduceAlgorithm forced, size_t bytes, siz
   return best;
 }
 
+bool parse_hierarchy(const std::string& name, Hierarchy* hierarchy) {
+  if (name == "auto") *hierarchy = Hierarchy::kAuto;
+  else if (name == "hierarchical") *hierarchy = Hierarchy::kHierarchical;
+  else if (name == "flat") *hierarchy = Hierarchy::kFlat;
+  else return false;
+  return true;
+}
+
+namespace {
+
+// The fastest algorithm's predicted time (any buffer splits: the prediction is about bandwidth).
+double best_allreduce_us(size_t bytes, int ranks, const LinkModel& m) {
+  const AllreduceAlgorithm a = choose_allreduce(AllreduceAlgorithm::kAuto, bytes, bytes, ranks, m);
+  return predict_allreduce_us(a, bytes, ranks, m);
+}
+
+// `link` with its bandwidth shared by `ways` streams at once.
+LinkModel shared(LinkModel link, int ways) {
+  link.beta_us_per_byte *= std::max(ways, 1);
+  return link;
+}
+
+}  // namespace
+
+double predict_hierarchical_us(size_t bytes, int hosts, int per_host, const LinkModel& link, const LinkModel& local) {
+  const double n = static_cast<double>(bytes);
+  int levels = 0;
+  while ((1 << levels) < per_host) ++levels;
+  // Within the host: a reduce-scatter and an allgather over shared memory (each byte copied in and
+  // out once per phase, reduced once), ceil(log2 per_host) synchronisations each.
+  const double within = per_host > 1 ? 2 * (levels * local.alpha_us + n * local.beta_us_per_byte) +
+                                           n * local.gamma_us_per_byte
+                                     : 0;
+  // Across: per_host rails at once, each with 1/per_host of the bytes, all through the host's link.
+  const size_t rail_bytes = (bytes + static_cast<size_t>(std::max(per_host, 1)) - 1) / static_cast<size_t>(std::max(per_host, 1));
+  return within + best_allreduce_us(rail_bytes, hosts, shared(link, per_host));
+}
+
+double predict_flat_us(size_t bytes, int hosts, int per_host, const LinkModel& link) {
+  // Every rank in one algorithm over hosts x per_host ranks. A step is as slow as its slowest
+  // pair: across hosts the host's ranks share its link; within a host, pairs talk over loopback
+  // TCP (default_link_model(kTcp)), which a fast network can outrun.
+  LinkModel m = shared(link, per_host);
+  if (per_host > 1) {
+    const LinkModel loopback = default_link_model(TransportKind::kTcp);
+    m.alpha_us = std::max(m.alpha_us, loopback.alpha_us);
+    m.beta_us_per_byte = std::max(m.beta_us_per_byte, loopback.beta_us_per_byte);
+  }
+  return best_allreduce_us(bytes, hosts * per_host, m);
+}
+
+Hierarchy choose_hierarchy(Hierarchy forced, size_t bytes, int hosts, int per_host, const LinkModel& link,
+                           const LinkModel& local) {
+  if (forced != Hierarchy::kAuto) return forced;
+  if (per_host <= 1) return Hierarchy::kHierarchical;  // one rank per host: the same algorithm either way
+  return predict_flat_us(bytes, hosts, per_host, link) < predict_hierarchical_us(bytes, hosts, per_host, link, local)
+             ? Hierarchy::kFlat
+             : Hierarchy::kHierarchical;
+}
+
 int default_spin_us(TransportKind kind, int ranks, unsigned cores) {
   if (ranks < 1 || static_cast<unsigned>(ranks) > cores) return 0;
   return kind == TransportKind::kTcp ? 20 : 50;

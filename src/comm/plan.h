@@ -55,6 +55,23 @@ double predict_allreduce_us(AllreduceAlgorithm algorithm, size_t bytes, int rank
 AllreduceAlgorithm choose_allreduce(AllreduceAlgorithm forced, size_t bytes, size_t count, int ranks,
                                     const LinkModel& model);
 
+// An allreduce across several hosts (the hybrid transport): hierarchical (shared memory within each
+// host, then the hosts over TCP, one rail per local rank, each moving its share of the buffer, then
+// shared memory again) or flat (every rank in one TCP algorithm, as if each were alone on a host).
+enum class Hierarchy { kAuto, kHierarchical, kFlat };
+bool parse_hierarchy(const std::string& name, Hierarchy* hierarchy);
+// Predicted times in microseconds of one allreduce of `bytes` over `hosts` hosts of `per_host` ranks
+// each: `link` is the network between hosts (shared by a host's ranks or rails), `local` the shared
+// memory within one (its beta a copy, its gamma a reduction); flat's pairs within a host talk over
+// loopback TCP (default_link_model(kTcp)). Each network part takes the fastest algorithm of
+// predict_allreduce_us.
+double predict_hierarchical_us(size_t bytes, int hosts, int per_host, const LinkModel& link, const LinkModel& local);
+double predict_flat_us(size_t bytes, int hosts, int per_host, const LinkModel& link);
+// `forced` unless kAuto; else the faster (one rank per host: hierarchical, which is then the rails
+// alone). Every rank must pass the same figures: per_host is the most ranks any host has.
+Hierarchy choose_hierarchy(Hierarchy forced, size_t bytes, int hosts, int per_host, const LinkModel& link,
+                           const LinkModel& local);
+
 struct Range {
   size_t offset = 0;  // in elements
   size_t count = 0;

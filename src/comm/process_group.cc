@@ -339,6 +339,30 @@ void release_setup_keys(Store& store, const std::string& prefix, int rank, int s
   store.delete_key(count);
 }
 
+// options.tcp_connections (or CHORUS_TCP_CONNECTIONS in its "auto"'s place): lazy or the full mesh.
+bool lazy_connections(const ProcessGroupOptions& options, int size) {
+  std::string name = options.tcp_connections;
+  const char* env = std::getenv("CHORUS_TCP_CONNECTIONS");
+  const bool from_env = name == "auto" && env != nullptr && *env != '\0';
+  if (from_env) name = env;
+  if (name == "auto") return plan::lazy_connections_by_default(size);
+  if (name == "lazy" || name == "eager") return name == "lazy";
+  throw UsageError(std::string("chorus: unknown tcp_connections '") + printable(name) + "'" +
+                   (from_env ? " in CHORUS_TCP_CONNECTIONS" : "") + "; available: auto, eager, lazy");
+}
+
+// CHORUS_HYBRID_ALLREDUCE (auto, hierarchical, flat): how the hybrid transport's allreduce crosses
+// hosts; for benchmarks and tests.
+plan::Hierarchy hierarchy_from_env() {
+  plan::Hierarchy h = plan::Hierarchy::kAuto;
+  const char* env = std::getenv("CHORUS_HYBRID_ALLREDUCE");
+  if (env != nullptr && *env != '\0' && !plan::parse_hierarchy(env, &h)) {
+    throw UsageError(std::string("chorus: unknown hybrid allreduce '") + printable(env) +
+                     "' in CHORUS_HYBRID_ALLREDUCE; available: auto, hierarchical, flat");
+  }
+  return h;
+}
+
 // The transport `kind` (from options.transport); kAuto looks at which ranks share a host.
 std::unique_ptr<transport::Transport> make_transport(Store* store, const transport::TcpOptions& to,
                                                      const ProcessGroupOptions& options, TransportKind kind, int size) {
@@ -388,6 +412,7 @@ std::unique_ptr<transport::Transport> make_transport(Store* store, const transpo
     const algo::Tuning tune = detail::tuning_for(options, TransportKind::kTcp);  // across hosts: TCP
     ho.allreduce = tune.allreduce;
     ho.link = tune.link;
+    ho.hierarchy = hierarchy_from_env();
     return transport::make_hybrid_transport(ho);
   }
   return transport::make_tcp_transport(to);
@@ -420,21 +445,6 @@ algo::Tuning detail::tuning_for(const ProcessGroupOptions& options, TransportKin
   return t;
 }
 
-namespace {
-
-// options.tcp_connections (or CHORUS_TCP_CONNECTIONS in its "auto"'s place): lazy or the full mesh.
-bool lazy_connections(const ProcessGroupOptions& options, int size) {
-  std::string name = options.tcp_connections;
-  const char* env = std::getenv("CHORUS_TCP_CONNECTIONS");
-  const bool from_env = name == "auto" && env != nullptr && *env != '\0';
-  if (from_env) name = env;
-  if (name == "auto") return plan::lazy_connections_by_default(size);
-  if (name == "lazy" || name == "eager") return name == "lazy";
-  throw UsageError(std::string("chorus: unknown tcp_connections '") + printable(name) + "'" +
-                   (from_env ? " in CHORUS_TCP_CONNECTIONS" : "") + "; available: auto, eager, lazy");
-}
-
-}  // namespace
 
 ProcessGroup::ProcessGroup(std::shared_ptr<Store> store, int rank, int size, ProcessGroupOptions options)
     : impl_(std::make_unique<Impl>()) {
@@ -450,6 +460,7 @@ ProcessGroup::ProcessGroup(std::shared_ptr<Store> store, int rank, int size, Pro
   }
   detail::tuning_for(options, TransportKind::kTcp);  // a bad algorithm name fails here, before setup
   lazy_connections(options, size);                   // and so does a bad tcp_connections
+  hierarchy_from_env();                              // or CHORUS_HYBRID_ALLREDUCE
   Impl& m = *impl_;
   m.store = std::move(store);
   m.opts = options;

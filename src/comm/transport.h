@@ -219,6 +219,9 @@ struct HybridOptions {
   size_t segment_bytes = 1 << 20;  // for the cross-host allreduce (algo::Tuning)
   AllreduceAlgorithm allreduce = AllreduceAlgorithm::kAuto;  // likewise
   plan::LinkModel link = plan::default_link_model(TransportKind::kTcp);
+  // Allreduce through the hosts' shared memory and rails, or one flat TCP algorithm over every
+  // rank: kAuto asks plan::choose_hierarchy per call.
+  plan::Hierarchy hierarchy = plan::Hierarchy::kAuto;
 };
 
 // Several hosts: TCP between all ranks, shared memory within a host, and a hierarchical native
