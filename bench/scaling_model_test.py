@@ -45,6 +45,14 @@ class Model(unittest.TestCase):
         self.assertAlmostEqual(beta_host / truth[1], 1, places=3)
         self.assertAlmostEqual(gamma / truth[2], 1, places=3)
 
+    def test_connections_follow_the_collectives_peers(self):
+        self.assertEqual(sm.collective_peers(0, 8), {1, 2, 4, 6, 7})
+        self.assertEqual(len(sm.collective_peers(5, 1024)), 19)  # as plan_test's CollectivePeers
+        rows = {int(r[0]): r for r in sm.connections_rows()}
+        self.assertEqual(rows[1024][1], "2046")  # the mesh: 2 (W - 1)
+        self.assertEqual(rows[1024][2], "38")
+        self.assertEqual(rows[8][2], "10")
+
     def test_last_bucket_share(self):
         mb = 2 ** 20
         self.assertAlmostEqual(sm.last_bucket_share(27 * mb), 1 / 27)  # 1 + 25 + 1
