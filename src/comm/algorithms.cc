@@ -78,6 +78,55 @@ void ring(Transport& t, Scratch& s, const wire::Call& call, const plan::RingPlan
   t.wait_all();
 }
 
+// One step of recursive doubling or Rabenseifner: `send` goes to `partner` and `recv` comes back
+// from it (element ranges of the buffer), reduced into the buffer at `recv` or copied there.
+struct Exchange {
+  int partner;
+  plan::Range send;
+  plan::Range recv;
+  bool reduce;
+};
+
+// Runs `steps` in order on buf (scratch `tmp` holds a received block before it is reduced), then
+// calls done_reducing() after the last reducing step. A step whose blocks are large enough
+// (plan::exchange_needs_ready) starts with a ready handshake: each partner sends a zero-byte word
+// and waits for the other's before its block leaves. A rank sends that word once it has received
+// the whole block of its previous step (before it reduces it, so the word's trip overlaps the
+// reduction), so its link carries no earlier step's data when the new block arrives. Without it a
+// rank that is ahead sends to one still receiving from its previous partner: two flows converge on
+// one link, the switch's queue overflows and TCP waits out retransmission timeouts (up to 2x the
+// ring's time on 1 Gbit/s and 100 Mbit/s links at 8 hosts, docs/algorithms.md).
+template <typename DoneReducing>
+void exchange_steps(Transport& t, const Tuning& tune, const wire::Call& call,
+                    const std::vector<Exchange>& steps, char* buf, char* tmp, DataType dtype, ReduceOp op,
+                    DoneReducing done_reducing) {
+  const size_t esz = element_size(dtype);
+  auto ready = [&](size_t i) {
+    return i < steps.size() &&
+           plan::exchange_needs_ready(steps[i].send.count * esz, steps[i].recv.count * esz, tune.link);
+  };
+  auto say_ready = [&](size_t i) { t.send(steps[i].partner, wire::make_header(call, 0), nullptr, 0); };
+  if (ready(0)) say_ready(0);
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const Exchange& x = steps[i];
+    if (ready(i)) t.wait(t.recv(x.partner, call, nullptr, 0));
+    const size_t send_bytes = x.send.count * esz;
+    t.send(x.partner, wire::make_header(call, send_bytes), at(buf, x.send.offset, esz), send_bytes);
+    t.wait(t.recv(x.partner, call, x.reduce ? tmp : at(buf, x.recv.offset, esz), x.recv.count * esz));
+    if (ready(i + 1)) say_ready(i + 1);
+    // The send reads its block: a reduction into the same elements (recursive doubling's whole
+    // buffer) waits until it is out; one into others (Rabenseifner's kept half) runs first.
+    const bool overlap =
+        x.send.offset < x.recv.offset + x.recv.count && x.recv.offset < x.send.offset + x.send.count;
+    if (overlap) t.wait_all();
+    if (x.reduce) {
+      reduce::reduce_into(dtype, op, at(buf, x.recv.offset, esz), tmp, x.recv.count);
+      if (i + 1 == steps.size() || !steps[i + 1].reduce) done_reducing();
+    }
+    t.wait_all();
+  }
+}
+
 }  // namespace
 
 void allreduce(Transport& t, Scratch& s, const Tuning& tune, const wire::Call& call, void* buf,
@@ -87,13 +136,13 @@ void allreduce(Transport& t, Scratch& s, const Tuning& tune, const wire::Call& c
   }
   switch (plan::choose_allreduce(tune.allreduce, count * element_size(dtype), count, t.size(), tune.link)) {
     case AllreduceAlgorithm::kRing: return allreduce_ring(t, s, tune, call, buf, count, dtype, op);
-    case AllreduceAlgorithm::kRabenseifner: return allreduce_rabenseifner(t, s, call, buf, count, dtype, op);
-    default: return allreduce_recursive_doubling(t, s, call, buf, count, dtype, op);
+    case AllreduceAlgorithm::kRabenseifner: return allreduce_rabenseifner(t, s, tune, call, buf, count, dtype, op);
+    default: return allreduce_recursive_doubling(t, s, tune, call, buf, count, dtype, op);
   }
 }
 
-void allreduce_recursive_doubling(Transport& t, Scratch& s, const wire::Call& call, void* buf,
-                                  size_t count, DataType dtype, ReduceOp op) {
+void allreduce_recursive_doubling(Transport& t, Scratch& s, const Tuning& tune, const wire::Call& call,
+                                  void* buf, size_t count, DataType dtype, ReduceOp op) {
   const int n = t.size();
   const int r = t.rank();
   const size_t bytes = count * element_size(dtype);
@@ -112,14 +161,11 @@ void allreduce_recursive_doubling(Transport& t, Scratch& s, const wire::Call& ca
     t.wait(t.recv(r + p, call, tmp, bytes));
     reduce::reduce_into(dtype, op, buf, tmp, count);
   }
-  for (int mask = 1; mask < p; mask <<= 1) {
-    const int partner = r ^ mask;
-    t.send(partner, h, buf, bytes);
-    t.recv(partner, call, tmp, bytes);
-    t.wait_all();  // the send reads buf, so reduce only after it is out
-    reduce::reduce_into(dtype, op, buf, tmp, count);
-  }
-  if (op == ReduceOp::kAvg) reduce::finish_avg(dtype, buf, count, n);
+  std::vector<Exchange> steps;
+  for (int mask = 1; mask < p; mask <<= 1) steps.push_back({r ^ mask, {0, count}, {0, count}, true});
+  exchange_steps(t, tune, call, steps, static_cast<char*>(buf), tmp, dtype, op, [&] {
+    if (op == ReduceOp::kAvg) reduce::finish_avg(dtype, buf, count, n);
+  });
   if (r < extra) {
     t.send(r + p, h, buf, bytes);
     t.wait_all();
@@ -134,8 +180,8 @@ void allreduce_recursive_doubling(Transport& t, Scratch& s, const wire::Call& ca
 // block r reduced over every rank. Allgather by recursive doubling reverses it: at d = 1, 2, ...,
 // p/2 partners swap windows, which double. Every rank's block is reduced once, on one rank, so all
 // ranks end with the same bytes.
-void allreduce_rabenseifner(Transport& t, Scratch& s, const wire::Call& call, void* buf, size_t count,
-                            DataType dtype, ReduceOp op) {
+void allreduce_rabenseifner(Transport& t, Scratch& s, const Tuning& tune, const wire::Call& call, void* buf,
+                            size_t count, DataType dtype, ReduceOp op) {
   const int n = t.size();
   const int r = t.rank();
   const size_t esz = element_size(dtype);
@@ -161,42 +207,35 @@ void allreduce_rabenseifner(Transport& t, Scratch& s, const wire::Call& call, vo
     const plan::Range last = plan::split(count, p, hi - 1);
     return plan::Range{first.offset, last.offset + last.count - first.offset};
   };
+  std::vector<Exchange> steps;
   int lo = 0, hi = p;
   for (int d = p / 2; d >= 1; d /= 2) {
-    const int partner = r ^ d;
     const int mid = lo + (hi - lo) / 2;
     const bool keep_low = (r & d) == 0;
     const plan::Range keep = keep_low ? window(lo, mid) : window(mid, hi);
     const plan::Range give = keep_low ? window(mid, hi) : window(lo, mid);
-    t.send(partner, wire::make_header(call, give.count * esz), at(data, give.offset, esz), give.count * esz);
-    t.wait(t.recv(partner, call, tmp, keep.count * esz));
-    reduce::reduce_into(dtype, op, at(data, keep.offset, esz), tmp, keep.count);
-    t.wait_all();  // the send reads `give`, which the allgather overwrites
+    steps.push_back({r ^ d, give, keep, true});
     if (keep_low) {
       hi = mid;
     } else {
       lo = mid;
     }
   }
-  if (op == ReduceOp::kAvg) {
-    const plan::Range mine = window(lo, hi);
-    reduce::finish_avg(dtype, at(data, mine.offset, esz), mine.count, n);
-  }
+  const plan::Range reduced = window(lo, hi);  // block r, reduced over every rank
   for (int d = 1; d < p; d *= 2) {
-    const int partner = r ^ d;
     const int size = hi - lo;
     const bool low = (r & d) == 0;  // this rank's window is the lower half of the doubled one
-    const plan::Range mine = window(lo, hi);
     const plan::Range theirs = low ? window(hi, hi + size) : window(lo - size, lo);
-    t.send(partner, wire::make_header(call, mine.count * esz), at(data, mine.offset, esz), mine.count * esz);
-    t.wait(t.recv(partner, call, at(data, theirs.offset, esz), theirs.count * esz));
+    steps.push_back({r ^ d, window(lo, hi), theirs, false});
     if (low) {
       hi += size;
     } else {
       lo -= size;
     }
   }
-  t.wait_all();
+  exchange_steps(t, tune, call, steps, data, tmp, dtype, op, [&] {
+    if (op == ReduceOp::kAvg) reduce::finish_avg(dtype, at(data, reduced.offset, esz), reduced.count, n);
+  });
   if (r < extra) {
     t.send(r + p, wire::make_header(call, bytes), data, bytes);
     t.wait_all();

@@ -34,13 +34,13 @@ class Scratch {
 
 void allreduce(transport::Transport& t, Scratch& s, const Tuning& tune, const wire::Call& call,
                void* buf, size_t count, DataType dtype, ReduceOp op);
-void allreduce_recursive_doubling(transport::Transport& t, Scratch& s, const wire::Call& call,
+void allreduce_recursive_doubling(transport::Transport& t, Scratch& s, const Tuning& tune, const wire::Call& call,
                                   void* buf, size_t count, DataType dtype, ReduceOp op);
 void allreduce_ring(transport::Transport& t, Scratch& s, const Tuning& tune, const wire::Call& call,
                     void* buf, size_t count, DataType dtype, ReduceOp op);
 // Needs count >= the largest power of two <= the group's size (each of those ranks owns a block).
-void allreduce_rabenseifner(transport::Transport& t, Scratch& s, const wire::Call& call, void* buf, size_t count,
-                            DataType dtype, ReduceOp op);
+void allreduce_rabenseifner(transport::Transport& t, Scratch& s, const Tuning& tune, const wire::Call& call,
+                            void* buf, size_t count, DataType dtype, ReduceOp op);
 
 void broadcast(transport::Transport& t, const Tuning& tune, const wire::Call& call, void* buf,
                size_t bytes, int root);

@@ -117,6 +117,29 @@ INSTANTIATE_TEST_SUITE_P(Forced, Algorithms,
                            return std::get<0>(info.param) + "_" + setup_name(std::get<1>(info.param));
                          });
 
+// Recursive doubling and Rabenseifner with a ready handshake ahead of every exchange step's block
+// (plan::exchange_needs_ready): told a link so slow (0.5 Mbit/s) that blocks from 30 bytes take one,
+// the suite's awkward sizes put blocks on both sides of that, with partners whose blocks differ.
+class ReadyHandshakes : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+
+TEST_P(ReadyHandshakes, EveryAllreduceDtypeOpAndSize) {
+  const auto& [algorithm, world] = GetParam();
+  const SuiteSetup setup{"tcp", world, 1};
+  EXPECT_EQ(testing::run_ranks(world, [&](int rank, int w, std::shared_ptr<Store>) {
+    ProcessGroupOptions o = test_options(setup, rank, 96, algorithm, false);
+    o.link_gbit_per_s = 0.0005;
+    auto pg = connect_process_group("env://", rank, w, o);
+    conformance::every_allreduce(*pg);
+  }, std::chrono::seconds(120)), "");
+}
+
+INSTANTIATE_TEST_SUITE_P(SlowLink, ReadyHandshakes,
+                         ::testing::Combine(::testing::Values("recursive_doubling", "rabenseifner"),
+                                            ::testing::Values(2, 3, 4, 5, 7, 8)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_w" + std::to_string(std::get<1>(info.param));
+                         });
+
 // The hybrid's allreduce forced flat (CHORUS_HYBRID_ALLREDUCE): one TCP algorithm over every rank of
 // 2 and 3 simulated hosts, even and uneven, every dtype and op; the same results as hierarchical.
 class FlatHybrid : public ::testing::TestWithParam<SuiteSetup> {};

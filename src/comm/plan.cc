@@ -196,6 +196,11 @@ LinkModel default_link_model(TransportKind kind, double latency_us, double gbit_
   return m;
 }
 
+bool exchange_needs_ready(size_t a_bytes, size_t b_bytes, const LinkModel& link) {
+  const double block_us = static_cast<double>(std::max(a_bytes, b_bytes)) * link.beta_us_per_byte;
+  return block_us >= kReadyBlockAlphas * link.alpha_us;
+}
+
 double predict_allreduce_us(AllreduceAlgorithm algorithm, size_t bytes, int ranks, const LinkModel& m) {
   if (ranks <= 1) return 0;
   const double n = static_cast<double>(bytes);

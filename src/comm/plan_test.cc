@@ -294,6 +294,31 @@ TEST(AllreduceModel, LinkFiguresReplaceTheMeasuredDefault) {
   EXPECT_EQ(ten.gamma_us_per_byte, tcp.gamma_us_per_byte);
 }
 
+TEST(ExchangeReady, FromThirtyTwoLatenciesOfTheLargerBlockAndTheSameForBothPartners) {
+  LinkModel m;
+  m.alpha_us = 8;
+  m.beta_us_per_byte = 0.0625;  // 16 bytes a microsecond: 32 latencies are 4096 bytes
+  EXPECT_TRUE(exchange_needs_ready(4096, 4096, m));
+  EXPECT_FALSE(exchange_needs_ready(4095, 4095, m));
+  EXPECT_FALSE(exchange_needs_ready(0, 0, m));
+  // Rabenseifner's blocks differ by an element where the count does not divide: the partner that
+  // sends the smaller one decides as the one that sends the larger.
+  for (size_t a : {size_t{0}, size_t{1}, size_t{4092}, size_t{4095}, size_t{4096}, size_t{1} << 20}) {
+    for (size_t b : {size_t{0}, size_t{4095}, size_t{4096}, size_t{4100}}) {
+      EXPECT_EQ(exchange_needs_ready(a, b, m), exchange_needs_ready(b, a, m)) << a << " " << b;
+      EXPECT_EQ(exchange_needs_ready(a, b, m), std::max(a, b) >= 4096) << a << " " << b;
+    }
+  }
+  // Loopback's figures hold the handshake back to blocks of megabytes; told a slow link, it starts
+  // at tens of kilobytes.
+  const LinkModel loopback = default_link_model(TransportKind::kTcp);
+  EXPECT_FALSE(exchange_needs_ready(size_t{1} << 20, size_t{1} << 20, loopback));
+  EXPECT_TRUE(exchange_needs_ready(size_t{2} << 20, 0, loopback));
+  const LinkModel gbit = default_link_model(TransportKind::kTcp, 0, 1);
+  EXPECT_FALSE(exchange_needs_ready(size_t{32} << 10, size_t{32} << 10, gbit));
+  EXPECT_TRUE(exchange_needs_ready(size_t{64} << 10, size_t{64} << 10, gbit));
+}
+
 TEST(ChooseAllreduce, LatencyBoundSizesDoubleMediumHalveLargeRing) {
   using A = AllreduceAlgorithm;
   const LinkModel m = default_link_model(TransportKind::kTcp);
