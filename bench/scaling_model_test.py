@@ -4,6 +4,7 @@ the model itself, the DDP bucket share, and that `report` writes the page and it
 committed measurements."""
 import importlib.machinery
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -58,6 +59,33 @@ class Model(unittest.TestCase):
         self.assertAlmostEqual(sm.last_bucket_share(27 * mb), 1 / 27)  # 1 + 25 + 1
         self.assertAlmostEqual(sm.last_bucket_share(26 * mb), 25 / 26)
         self.assertEqual(sm.last_bucket_share(mb // 2), 1.0)
+
+    def test_collect_profile_from_keeps_the_ddp_run_and_takes_the_new_points(self):
+        work = tempfile.mkdtemp(prefix="chorus-scaling-collect-")
+        try:
+            results = os.path.join(work, "run")
+            os.makedirs(results)
+            with open(os.path.join(results, "8-1gbit-chorus-ring-allreduce-small.json"), "w") as f:
+                json.dump([{"bytes": 65536, "p50_us": 1078.0, "busbw_gbps": 0.106, "allreduce_algorithm": "ring"}], f)
+            old = os.path.join(work, "old.json")
+            with open(old, "w") as f:
+                json.dump({"measured": "before", "commands": ["bench/multihost --hosts 2", "chorus run -n 2 transfer"],
+                           "points": [], "ddp_profile": {"compute_ms": 12.5}}, f)
+            r = subprocess.run([sys.executable, os.path.join(HERE, "scaling-model"), "collect", "--profile-from", old,
+                                "--command", "bench/multihost --hosts 8", "--measured", "now", results],
+                               capture_output=True, text=True, timeout=60)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            bundle = json.loads(r.stdout)
+            self.assertEqual(bundle["ddp_profile"], {"compute_ms": 12.5})
+            self.assertEqual(bundle["commands"], ["bench/multihost --hosts 8", "chorus run -n 2 transfer"])
+            self.assertEqual(len(bundle["points"]), 1)
+            self.assertEqual((bundle["points"][0]["hosts"], bundle["points"][0]["system"]), (8, "chorus-ring"))
+            r = subprocess.run([sys.executable, os.path.join(HERE, "scaling-model"), "collect", results],
+                               capture_output=True, text=True, timeout=60)
+            self.assertNotEqual(r.returncode, 0)
+            self.assertIn("--profile-from", r.stderr)
+        finally:
+            shutil.rmtree(work)
 
     def test_report_writes_the_page_from_the_committed_measurements(self):
         out = tempfile.mkdtemp(prefix="chorus-scaling-model-")

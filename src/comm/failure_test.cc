@@ -344,6 +344,28 @@ TEST_P(Failure, PeerWithWrongTokenOrWorldSizeIsRefused) {
 
 // A bad tcp_connections, given or from CHORUS_TCP_CONNECTIONS, fails before any setup, naming the
 // value, where it came from and the choices.
+// Ranks told different links disagree about which exchange steps start with a ready handshake
+// (plan::exchange_needs_ready): each gets a message it did not expect, and both fail at once with
+// an error that names the options to align, not after the timeout.
+TEST(TcpMismatch, RanksToldDifferentLinksFailWithAMismatchNamingTheOptions) {
+  auto reports = testing::run_ranks_independent(2, [&](int rank, int w) -> std::string {
+    ProcessGroupOptions o;
+    o.timeout = milliseconds(20000);
+    o.transport = "tcp";
+    o.allreduce_algorithm = "rabenseifner";
+    if (rank == 0) o.link_gbit_per_s = 0.0005;  // every block from 30 bytes takes a handshake
+    auto pg = connect_process_group("env://", rank, w, o);
+    std::vector<float> v(1000, 1.0f);
+    return outcome([&] { pg->allreduce(v.data(), v.size(), DataType::kFloat32)->wait(); });
+  });
+  for (const auto& r : reports) {
+    SCOPED_TRACE(r.text);
+    EXPECT_EQ(r.text.rfind("MismatchError", 0), 0u);
+    EXPECT_LT(elapsed_of(r.text), 10.0);
+    EXPECT_NE(r.text.find("link_gbit_per_s"), std::string::npos);
+  }
+}
+
 TEST(Setup, UnknownTcpConnectionsNamesTheChoices) {
   ProcessGroupOptions o;
   o.tcp_connections = "sometimes";

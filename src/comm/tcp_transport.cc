@@ -287,7 +287,9 @@ bool TcpTransport::pump_recvs(Conn& c) {
       if (h.payload != r.n) {
         throw Ranked<MismatchError>(prefix() + ": " + peer_name(c.peer) + " sent " + std::to_string(h.payload) +
                             " bytes where this rank expected " + std::to_string(r.n) +
-                            "; the ranks disagree about per-rank sizes");
+                            "; the ranks disagree about per-rank sizes, or about the options that shape an "
+                            "algorithm's messages (allreduce_algorithm, segment_bytes, link_latency_us, "
+                            "link_gbit_per_s): give every rank the same");
       }
       c.in_begin += sizeof(wire::Header);
       r.have_header = true;

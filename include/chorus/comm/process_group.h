@@ -58,7 +58,9 @@ struct ProcessGroupOptions {
   // CHORUS_ALLREDUCE_ALGORITHM in the environment replaces "auto".
   std::string allreduce_algorithm = "auto";
   // The link "auto" plans for: one message's latency and its bandwidth (e.g. 10 for 10 GbE);
-  // 0 = what chorus measured on loopback TCP (plan::default_link_model).
+  // 0 = what chorus measured on loopback TCP (plan::default_link_model). It also sets which
+  // recursive-doubling and Rabenseifner steps wait for the partner's ready word (blocks of 32
+  // latencies and more: docs/algorithms.md), so every rank of a group must be given the same link.
   double link_latency_us = 0;
   double link_gbit_per_s = 0;
   int socket_buffer_bytes = 0;                 // 0 = kernel autotuning
