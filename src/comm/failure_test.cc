@@ -342,8 +342,6 @@ TEST_P(Failure, PeerWithWrongTokenOrWorldSizeIsRefused) {
   for (const auto& r : sizes) EXPECT_EQ(times_named(r.text, r.rank), 1) << r.text;
 }
 
-// A bad tcp_connections, given or from CHORUS_TCP_CONNECTIONS, fails before any setup, naming the
-// value, where it came from and the choices.
 // Ranks told different links disagree about which exchange steps start with a ready handshake
 // (plan::exchange_needs_ready): each gets a message it did not expect, and both fail at once with
 // an error that names the options to align, not after the timeout.
@@ -366,6 +364,8 @@ TEST(TcpMismatch, RanksToldDifferentLinksFailWithAMismatchNamingTheOptions) {
   }
 }
 
+// A bad tcp_connections, given or from CHORUS_TCP_CONNECTIONS, fails before any setup, naming the
+// value, where it came from and the choices.
 TEST(Setup, UnknownTcpConnectionsNamesTheChoices) {
   ProcessGroupOptions o;
   o.tcp_connections = "sometimes";

@@ -104,8 +104,8 @@ RingPlan make_ring_plan(size_t count, int ranks, size_t segment_elems);
 int pow2_floor(int n);
 
 // Whether an exchange step of recursive doubling or Rabenseifner, this rank sending a_bytes to its
-// partner and receiving b_bytes back, starts with a ready handshake (algorithms.cc, "ready
-// handshake"): when the larger block takes at least kReadyBlockAlphas message latencies on `link`,
+// partner and receiving b_bytes back, starts with a ready handshake (exchange_steps in
+// algorithms.cc): when the larger block takes at least kReadyBlockAlphas message latencies on `link`,
 // so that the handshake costs at most about 1/kReadyBlockAlphas of the step. Smaller blocks would
 // pay more for it than they save: they fit in a switch's queue when they meet another rank's. On
 // loopback's figures (default_link_model) that is blocks from 1.7 MB; told a 1 Gbit/s link, from
