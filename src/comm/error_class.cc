@@ -32,4 +32,15 @@ void throw_error(uint8_t error_class, const std::string& message) {
   }
 }
 
+void throw_ranked_error(uint8_t error_class, const std::string& message) {
+  switch (error_class) {
+    case kErrTimeout: throw Ranked<TimeoutError>(message);
+    case kErrPeer: throw Ranked<PeerError>(message);
+    case kErrMismatch: throw Ranked<MismatchError>(message);
+    case kErrHandshake: throw Ranked<HandshakeError>(message);
+    case kErrUsage: throw Ranked<UsageError>(message);
+    default: throw Ranked<Error>(message);
+  }
+}
+
 }  // namespace chorus::transport

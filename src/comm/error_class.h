@@ -45,4 +45,7 @@ class Ranked : public E, public NamesRank {
 
 inline bool names_rank(const std::exception& e) { return dynamic_cast<const NamesRank*>(&e) != nullptr; }
 
+// throw_error's exception marked Ranked: for a `message` that already begins with this rank.
+[[noreturn]] void throw_ranked_error(uint8_t error_class, const std::string& message);
+
 }  // namespace chorus::transport

@@ -2,7 +2,11 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <arpa/inet.h>
 #include <dirent.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -397,6 +401,66 @@ TEST(Setup, StoreFailureNamesTheRankAndGroupOnce) {
   EXPECT_EQ(text.rfind("PeerError", 0), 0u) << text;
   EXPECT_EQ(times_named(text, 1), 1) << text;
   EXPECT_NE(text.find("chorus: rank 1: group 'setup-test' setup: "), std::string::npos) << text;
+}
+
+// A peer that gives up its setup says why in the store before it closes (docs/wire-format.md):
+// rank 0 then raises that reason in its class whether the peer closed rank 0's connection
+// mid-handshake or refused it, and ignores a reason left by an earlier listener of that rank.
+// Rank 1 here is a stand-in that does exactly that, so each case happens every time; the race it
+// pins down (lazy setup, one side reading a world-size mismatch from the store) is in
+// Failure.PeerWithWrongTokenOrWorldSizeIsRefused.
+TEST(TcpSetup, APeerThatGaveUpIsReportedWithItsReason) {
+  const std::string reason = "chorus: rank 1: group 'g' setup: world size mismatch: told 3";
+  for (const std::string how : {"closes", "refuses", "stale"}) {
+    SCOPED_TRACE(how);
+    auto store = std::make_shared<HashStore>();
+    int listener = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    ASSERT_GE(listener, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(a);
+    ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+    ASSERT_EQ(::listen(listener, 4), 0);
+    ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&a), &len), 0);
+    const std::string addr = "127.0.0.1:" + std::to_string(ntohs(a.sin_port));
+    // The reason: '4' is HandshakeError's class; "stale" names another address.
+    const std::string said = (how == "stale" ? "127.0.0.1:1" : addr) + "\n4" + reason;
+    std::thread rank1([&] {
+      if (how == "refuses") {
+        store->set("chorus/pg/g/gave_up/1", said);
+        ::close(listener);
+        store->set("chorus/pg/g/addr/1", addr);
+        return;
+      }
+      store->set("chorus/pg/g/addr/1", addr);
+      int fd = ::accept(listener, nullptr, nullptr);
+      char hello[64];
+      if (fd >= 0) (void)::recv(fd, hello, sizeof(hello), 0);  // rank 0's hello: it is handshaking
+      store->set("chorus/pg/g/gave_up/1", said);
+      if (fd >= 0) ::close(fd);
+      ::close(listener);
+    });
+    ProcessGroupOptions o;
+    o.group_name = "g";
+    o.transport = "tcp";
+    o.tcp_connections = "eager";
+    o.timeout = milliseconds(how == "refuses" ? 1000 : 3000);
+    const std::string text = outcome([&] { ProcessGroup pg(store, 0, 2, o); });
+    rank1.join();
+    EXPECT_EQ(times_named(text, 0), 1) << text;
+    if (how == "stale") {
+      EXPECT_EQ(text.rfind("PeerError", 0), 0u) << text;
+      EXPECT_NE(text.find("closed the connection during the handshake, before its verdict"), std::string::npos) << text;
+      EXPECT_EQ(text.find("world size"), std::string::npos) << text;
+      continue;
+    }
+    EXPECT_EQ(text.rfind("HandshakeError", 0), 0u) << text;
+    const std::string what = how == "closes" ? "closed the connection during the handshake" : "refused the connection";
+    EXPECT_NE(text.find("rank 1 at " + addr + " " + what + " because its setup failed: " + reason), std::string::npos)
+        << text;
+    EXPECT_LT(elapsed_of(text), 0.9) << text;  // at once, not at the deadline
+  }
 }
 
 // Over TCP a rank waiting for an absent one must not blame a live rank: every rank serves its

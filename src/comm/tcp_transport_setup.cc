@@ -79,7 +79,7 @@ class MeshSetup final : public detail::TcpConnector {
   MeshSetup(const TcpOptions& o, TcpTransport* t, std::string secret)
       : o_(o), t_(t), secret_(std::move(secret)), me_("rank " + std::to_string(o.rank)),
         out_(static_cast<size_t>(o.size)), seen_(static_cast<size_t>(o.size), false),
-        expected_(static_cast<size_t>(o.size), false) {}
+        expected_(static_cast<size_t>(o.size), false), gave_up_(static_cast<size_t>(o.size), false) {}
 
   void run() {
     const std::string host = o_.advertise_host.empty() ? "127.0.0.1" : o_.advertise_host;
@@ -112,6 +112,7 @@ class MeshSetup final : public detail::TcpConnector {
       incoming_left_ = outgoing_left_;
       loop();
     } catch (const Error& e) {
+      say_why(e);
       farewell(e.what());
       throw;
     }
@@ -231,6 +232,41 @@ class MeshSetup final : public detail::TcpConnector {
     return "chorus: " + me_ + ": group '" + o_.group_name + "'" + (setup_done_ ? "" : " setup");
   }
   std::string addr_key(int rank) const { return o_.key_prefix + "/addr/" + std::to_string(rank); }
+  std::string gave_up_key(int rank) const { return o_.key_prefix + "/gave_up/" + std::to_string(rank); }
+
+  // This rank's setup failed: say why in the store before closing, for a peer whose connection
+  // closes under it now (raise_if_gave_up). The listen address ties the reason to this attempt,
+  // so a group set up again under the same name never reads it. Best effort: the store may be
+  // what failed.
+  void say_why(const Error& e) {
+    try {
+      o_.store->set(gave_up_key(o_.rank),
+                    listen_addr_ + "\n" + static_cast<char>('0' + error_class_of(e)) + e.what());
+    } catch (const std::exception&) {
+    }
+  }
+
+  // During the setup, a peer closed or refused this rank's connection: if it gave up its setup
+  // (say_why) at the address this rank reached, raise its reason in its class, not a bare
+  // "connection closed" that hides it. Ranks give up at their own times (one sees a mismatch in
+  // the store while another is still handshaking with it), so which rank learns the reason from
+  // the handshake and which from here is a race; the error is the same either way.
+  void raise_if_gave_up(const Outgoing& c, const std::string& how) {
+    if (setup_done_ || o_.store == nullptr) return;
+    std::string why;
+    try {
+      if (!o_.store->check({gave_up_key(c.peer)})) return;
+      why = o_.store->get(gave_up_key(c.peer));
+    } catch (const std::exception&) {
+      return;  // the store's own failure surfaces elsewhere; report the connection's
+    }
+    const size_t nl = why.find('\n');
+    if (nl == std::string::npos || why.compare(0, nl, c.addr) != 0 || nl + 1 >= why.size()) return;
+    gave_up_[static_cast<size_t>(c.peer)] = true;  // farewell need not wait for it to connect
+    throw_ranked_error(static_cast<uint8_t>(why[nl + 1] - '0'),
+                       prefix() + ": " + c.what() + " " + how + " because its setup failed: " + why.substr(nl + 2));
+  }
+
   // How long a handshake step may take: the setup's deadline, or a fixed budget afterwards.
   Deadline io_deadline() const {
     return setup_done_ ? Clock::now() + kIncomingBudget : std::min(o_.deadline, Clock::now() + kIncomingBudget);
@@ -342,6 +378,7 @@ class MeshSetup final : public detail::TcpConnector {
   void start_connect(Outgoing& c) {
     c.fd = net::start_connect(c.host, c.port, c.what(), &c.last_error);
     if (!c.fd.valid()) {
+      raise_if_gave_up(c, "refused the connection");
       retry_later(c);
       return;
     }
@@ -367,6 +404,7 @@ class MeshSetup final : public detail::TcpConnector {
                                   "this rank sends to for the first time: its process has probably exited or "
                                   "closed its group");
         }
+        raise_if_gave_up(c, "refused the connection");
         retry_later(c);  // the peer may be about to listen, or restarting; the deadline decides
         return;
       }
@@ -395,8 +433,10 @@ class MeshSetup final : public detail::TcpConnector {
       }
       if (k < 0 && errno == EINTR) continue;
       if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+      const int err = errno;
+      raise_if_gave_up(c, "closed the connection during the handshake");
       throw Ranked<PeerError>(prefix() + ": " + c.what() + " closed the connection during the handshake, before its "
-                      "verdict (" + (k == 0 ? std::string("end of stream") : std::strerror(errno)) +
+                      "verdict (" + (k == 0 ? std::string("end of stream") : std::strerror(err)) +
                       "); its process probably exited");
     }
     handshake::raise_unless_accepted(*c.hs, c.what());
@@ -574,7 +614,8 @@ class MeshSetup final : public detail::TcpConnector {
     for (auto& c : out_) c.fd.reset();
     int awaited = 0;  // live ranks that have not connected yet
     for (const auto& c : out_) {
-      if (c.peer != o_.rank && !seen_[static_cast<size_t>(c.peer)] && c.state != Outgoing::kNeedAddr) ++awaited;
+      const auto p = static_cast<size_t>(c.peer);
+      if (c.peer != o_.rank && !seen_[p] && !gave_up_[p] && c.state != Outgoing::kNeedAddr) ++awaited;
     }
     const std::string reason = me_ + " gave up setting up group '" + o_.group_name + "': " + why;
     const Deadline until = Clock::now() + kLinger;
@@ -647,6 +688,7 @@ class MeshSetup final : public detail::TcpConnector {
   std::vector<Incoming> in_;
   std::vector<bool> seen_;
   std::vector<bool> expected_;  // peers whose connections the setup waits for (all, or the ring's)
+  std::vector<bool> gave_up_;   // peers whose setup failed (raise_if_gave_up)
   std::vector<std::pair<int, size_t>> what_;  // per pollfd of prepare(): 0 listener, 1 outgoing peer, 2 incoming
   bool setup_done_ = false;
   std::chrono::milliseconds store_poll_ = kFirstStorePoll;
