@@ -20,7 +20,10 @@
 int main(int argc, char** argv) {
   std::string mode = "ddp";
   int64_t batch = 64, image = 224, warmup = 10, steps = 50;
-  CLI::App app{"ResNet-18 training steps on a GPU: plain libtorch or chorus DDP"};
+  int depth = 18;
+  CLI::App app{"ResNet training steps on a GPU (ResNet-18 unless --depth says otherwise): plain libtorch or chorus DDP"};
+  app.add_option("--depth", depth, "ResNet depth (torchvision's 18, 34, 50, 101, 152)")
+      ->check(CLI::IsMember({18, 34, 50, 101, 152}));
   app.add_option("--mode", mode, "plain or ddp")->check(CLI::IsMember({"plain", "ddp"}));
   app.add_option("--batch-size", batch, "images per rank and step");
   app.add_option("--image-size", image, "height and width");
@@ -38,7 +41,9 @@ int main(int argc, char** argv) {
     }
     const torch::Device device(torch::kCUDA, 0);
     torch::manual_seed(0);
-    chorus::models::ResNet net(chorus::models::ResNetOptions{});
+    chorus::models::ResNetOptions arch;
+    arch.depth = depth;
+    chorus::models::ResNet net(arch);
     net->to(device);
     std::unique_ptr<chorus::ddp::DistributedDataParallel<chorus::models::ResNetImpl>> ddp;
     if (mode == "ddp") ddp = std::make_unique<chorus::ddp::DistributedDataParallel<chorus::models::ResNetImpl>>(net.ptr());
@@ -58,7 +63,7 @@ int main(int argc, char** argv) {
     std::sort(ms.begin(), ms.end());
     const double median = ms[ms.size() / 2];
     if (rank == 0) {
-      std::cout << nlohmann::json{{"impl", "chorus"}, {"mode", mode}, {"world", world}, {"batch", batch},
+      std::cout << nlohmann::json{{"impl", "chorus"}, {"mode", mode}, {"depth", depth}, {"world", world}, {"batch", batch},
                                   {"image", image}, {"steps", steps}, {"step_ms", median},
                                   {"samples_per_s", 1000.0 * batch * world / median}}.dump()
                 << std::endl;
