@@ -87,6 +87,43 @@ class Model(unittest.TestCase):
         finally:
             shutil.rmtree(work)
 
+    def test_resnet50_compute_adds_its_efficiency_table(self):
+        work = tempfile.mkdtemp(prefix="chorus-scaling-r50-")
+        try:
+            results = os.path.join(work, "run")
+            os.makedirs(results)
+            committed = os.path.join(HERE, "data", "multihost.json")
+            r = subprocess.run([sys.executable, os.path.join(HERE, "scaling-model"), "collect", "--profile-from",
+                                committed, "--gpu-step-ms-resnet50", "40", results],
+                               capture_output=True, text=True, timeout=60)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            profile = json.loads(r.stdout)["ddp_profile"]
+            self.assertEqual(profile["gpu_step_ms_resnet50"], 40.0)
+            with open(committed) as f:
+                bundle = json.load(f)
+            bundle["ddp_profile"] = profile
+            data = os.path.join(work, "data.json")
+            with open(data, "w") as f:
+                json.dump(bundle, f)
+            out = os.path.join(work, "out")
+            os.makedirs(out)
+            r = subprocess.run([sys.executable, os.path.join(HERE, "scaling-model"), "report", "--data", data,
+                                "--out", out], capture_output=True, text=True, timeout=120)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            with open(os.path.join(out, "scaling-model.md")) as f:
+                page = f.read()
+            self.assertIn("ResNet-50, 40.00 ms of compute per step", page)
+            self.assertNotIn("ResNet-50's efficiency is not tabled", page)
+            # The table's 1024-rank row over 100 Gbit/s is the formula's, from the same fit.
+            fitted = sm.fit([p for p in sm.points_of(bundle["points"]) if sm.in_fit_set(p)])
+            want = sm.efficiency(sm.line_rate_host(fitted), 100, profile, 40.0, sm.PAYLOADS[1][1])[-1]
+            table = page[page.index("ResNet-50, 40.00 ms"):]
+            row = [l for l in table.splitlines() if l.startswith("| 1024 |")][0]
+            self.assertEqual(row.split("|")[-2].strip(), "%.0f%%" % (100 * want))
+            self.assertLess(want, 1.0)
+        finally:
+            shutil.rmtree(work)
+
     def test_report_writes_the_page_from_the_committed_measurements(self):
         out = tempfile.mkdtemp(prefix="chorus-scaling-model-")
         try:
