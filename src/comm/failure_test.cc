@@ -5,6 +5,7 @@
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -434,9 +435,12 @@ TEST(TcpSetup, APeerThatGaveUpIsReportedWithItsReason) {
         return;
       }
       store->set("chorus/pg/g/addr/1", addr);
-      int fd = ::accept(listener, nullptr, nullptr);
+      // Bounded waits: a rank 0 that never connects fails the assertions below, never hangs here.
+      pollfd pl{listener, POLLIN, 0};
+      const int fd = ::poll(&pl, 1, 5000) == 1 ? ::accept(listener, nullptr, nullptr) : -1;
+      pollfd pc{fd, POLLIN, 0};
       char hello[64];
-      if (fd >= 0) (void)::recv(fd, hello, sizeof(hello), 0);  // rank 0's hello: it is handshaking
+      if (fd >= 0 && ::poll(&pc, 1, 5000) == 1) (void)::recv(fd, hello, sizeof(hello), 0);  // rank 0's hello
       store->set("chorus/pg/g/gave_up/1", said);
       if (fd >= 0) ::close(fd);
       ::close(listener);
