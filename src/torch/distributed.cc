@@ -10,6 +10,7 @@
 
 #include "chorus/comm/error.h"
 #include "chorus/comm/mpi.h"
+#include "chorus/torch/nccl.h"
 #include "staging.h"
 
 namespace chorus::dist {
@@ -19,6 +20,7 @@ using detail::group_or_default;
 
 std::mutex g_mu;
 std::shared_ptr<ProcessGroup> g_default;
+std::shared_ptr<nccl::Communicator> g_nccl;  // init_process_group("nccl"): the default group's
 bool g_atexit_registered = false;
 
 // A Work that keeps the tensors alive until it is waited on, and runs a completion step (such as
@@ -96,6 +98,14 @@ WorkPtr finish(std::shared_ptr<Work> inner, std::vector<at::Tensor> keep, bool a
 }
 
 void destroy_at_exit() { destroy_process_group(); }
+
+// The NCCL communicator that serves CUDA tensors of `group` (the default group under
+// init_process_group("nccl")); nullptr: they are staged through the host (staging.h).
+std::shared_ptr<nccl::Communicator> nccl_for(ProcessGroup* group) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (!g_nccl || (group != nullptr && group != g_default.get())) return nullptr;
+  return g_nccl;
+}
 
 // Device tensors (staging.h). Every tensor of one call must be on the same device.
 c10::Device device_of(const char* op, std::initializer_list<const at::Tensor*> tensors) {
@@ -185,8 +195,10 @@ std::string transport_for_backend(const std::string& backend) {
       "chorus's backends are \"chorus\" (alias \"gloo\": CPU and CUDA tensors, shared memory within a host and "
       "TCP between hosts), one transport forced: \"tcp\", \"shm\" or \"hybrid\", or \"mpi\" (Open MPI, under mpirun)";
   if (backend == "nccl") {
-    throw UsageError("chorus::dist::init_process_group: backend \"nccl\" is not available: chorus's backends take "
-                     "CUDA tensors too, staged through pinned host memory (docs/gpu.md); " + exists);
+    if (nccl::built_with_nccl()) return "";  // chorus's group for the host side, NCCL for CUDA tensors
+    throw UsageError("chorus::dist::init_process_group: backend \"nccl\" is not available: this chorus was built "
+                     "without NCCL (configure with -DCHORUS_WITH_NCCL=ON against a CUDA libtorch, docs/gpu.md); "
+                     "chorus's backends take CUDA tensors too, staged through pinned host memory; " + exists);
   }
   throw UsageError("chorus::dist::init_process_group: unknown backend '" + backend + "'; " + exists);
 }
@@ -215,6 +227,18 @@ void init_process_group(const std::string& backend, const std::string& init_meth
     if (!forced_transport.empty()) o.transport = forced_transport;  // else CHORUS_TRANSPORT, read by rendezvous
     g_default = connect_process_group(init_method, rank, world_size, o);
   }
+  if (backend == "nccl") {
+    // Every rank has its group now; the communicator's unique id travels over it.
+    try {
+      nccl::CommunicatorOptions no;
+      no.timeout = options.timeout;
+      g_nccl = nccl::Communicator::create(*g_default, no);
+    } catch (...) {
+      g_default->shutdown();
+      g_default.reset();
+      throw;
+    }
+  }
   if (!g_atexit_registered) {
     // Peers that outlive this process learn it left cleanly (goodbye) rather than died.
     std::atexit(destroy_at_exit);
@@ -229,11 +253,19 @@ bool is_initialized() {
 
 void destroy_process_group() {
   std::shared_ptr<ProcessGroup> pg;
+  std::shared_ptr<nccl::Communicator> comm;
   {
     std::lock_guard<std::mutex> lock(g_mu);
     pg.swap(g_default);
+    comm.swap(g_nccl);
   }
+  comm.reset();  // finalises the NCCL communicator (its pending operations first)
   if (pg) pg->shutdown();
+}
+
+std::shared_ptr<nccl::Communicator> nccl::default_communicator() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_nccl;
 }
 
 ProcessGroup& default_group() {
@@ -252,6 +284,7 @@ std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks) { return 
 WorkPtr all_reduce(const at::Tensor& t, ReduceOp op, ProcessGroup* group, bool async_op) {
   check_tensor(t, "all_reduce");
   if (staging::on_device(t)) {
+    if (auto comm = nccl_for(group)) return comm->all_reduce(t, op, async_op);
     ProcessGroup& pg = group_or_default(group);
     const DataType type = reduce_type(t, "all_reduce");
     if (pg.size() == 1) return finish(pg.run_local("all_reduce at world size 1", [] {}), {}, async_op);
@@ -266,6 +299,7 @@ WorkPtr all_reduce(const at::Tensor& t, ReduceOp op, ProcessGroup* group, bool a
 WorkPtr broadcast(const at::Tensor& t, int src, ProcessGroup* group, bool async_op) {
   check_tensor(t, "broadcast");
   if (staging::on_device(t)) {
+    if (auto comm = nccl_for(group)) return comm->broadcast(t, src, async_op);
     ProcessGroup& pg = group_or_default(group);
     const DataType type = copy_type(t);
     if (pg.size() == 1) return finish(pg.run_local("broadcast at world size 1", [] {}), {}, async_op);
@@ -281,6 +315,7 @@ WorkPtr broadcast(const at::Tensor& t, int src, ProcessGroup* group, bool async_
 WorkPtr reduce(const at::Tensor& t, int dst, ReduceOp op, ProcessGroup* group, bool async_op) {
   check_tensor(t, "reduce");
   if (staging::on_device(t)) {
+    if (auto comm = nccl_for(group)) return comm->reduce(t, dst, op, async_op);
     ProcessGroup& pg = group_or_default(group);
     const DataType type = reduce_type(t, "reduce");
     if (pg.size() == 1) return finish(pg.run_local("reduce at world size 1", [] {}), {}, async_op);
@@ -303,6 +338,7 @@ WorkPtr all_gather_into_tensor(const at::Tensor& output, const at::Tensor& input
   const DataType type = copy_type(input);
   const auto count = static_cast<size_t>(input.numel());
   if (staging::on_device(input) || staging::on_device(output)) {
+    if (auto comm = nccl_for(group)) return comm->all_gather_into_tensor(output, input, async_op);
     return staged_whole(pg, "all_gather_into_tensor", input, output, [&pg, type, count](const void* in, void* out) {
       return pg.allgather(in, out, count, type);
     }, async_op);
@@ -331,6 +367,9 @@ WorkPtr all_gather(std::vector<at::Tensor>& tensor_list, const at::Tensor& tenso
   const DataType type = copy_type(tensor);
   const auto count = static_cast<size_t>(tensor.numel());
   if (staging::on_device(tensor)) {
+    if (auto comm = nccl_for(group)) {
+      return finish(comm->all_gather_into_tensor(flat, tensor, true), {flat, tensor}, async_op, unpack);
+    }
     return staged_whole(pg, "all_gather", tensor, flat, [&pg, type, count](const void* in, void* out) {
       return pg.allgather(in, out, count, type);
     }, async_op, unpack);
@@ -414,6 +453,7 @@ WorkPtr reduce_scatter_tensor(const at::Tensor& output, const at::Tensor& input,
   const DataType type = reduce_type(output, "reduce_scatter_tensor");
   const auto count = static_cast<size_t>(output.numel());
   if (staging::on_device(input) || staging::on_device(output)) {
+    if (auto comm = nccl_for(group)) return comm->reduce_scatter_tensor(output, input, op, async_op);
     return staged_whole(pg, "reduce_scatter_tensor", input, output, [&pg, type, count, op](const void* in, void* out) {
       return pg.reduce_scatter(in, out, count, type, op);
     }, async_op);

@@ -1,6 +1,7 @@
 // chorus::dist on at::Tensor: every collective at W=1..3 with several dtypes, and the errors for
 // tensors chorus cannot take.
 #include "chorus/torch/distributed.h"
+#include "chorus/torch/nccl.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -145,7 +146,8 @@ TEST(TorchDistributedErrors, TensorsChorusCannotTakeGetClearErrors) {
     expect_usage([&] { all_gather(wrong, t); }, "one per rank");
     destroy_process_group();
     expect_usage([&] { all_reduce(t); }, "init_process_group");
-    expect_usage([&] { init_process_group("nccl"); }, "backend \"nccl\" is not available");
+    // With NCCL built in, "nccl" runs on a GPU (nccl_test); without, it says how to get it.
+    if (!nccl::built_with_nccl()) expect_usage([&] { init_process_group("nccl"); }, "-DCHORUS_WITH_NCCL=ON");
     // With MPI built in, "mpi" runs under mpirun (mpi_collectives_test); without, it says how to get it.
     if (!mpi_available()) expect_usage([&] { init_process_group("mpi"); }, "install Open MPI");
     expect_usage([&] { init_process_group("glo"); }, "unknown backend 'glo'");
@@ -164,7 +166,14 @@ TEST(TorchDistributedErrors, BackendNamesMapToTransports) {
   EXPECT_EQ(transport_for_backend("shm"), "shm");
   EXPECT_EQ(transport_for_backend("hybrid"), "hybrid");
   EXPECT_EQ(transport_for_backend("mpi"), "mpi");
-  for (const char* name : {"nccl", "ucc", ""}) {
+  EXPECT_EQ(nccl::built_with_nccl(), [] {
+    try {
+      return transport_for_backend("nccl") == "";
+    } catch (const UsageError&) {
+      return false;
+    }
+  }());
+  for (const char* name : {"ucc", ""}) {
     try {
       transport_for_backend(name);
       ADD_FAILURE() << "no UsageError for backend '" << name << "'";

@@ -46,7 +46,10 @@ struct InitOptions {
 // transport forced: "tcp", "shm" or "hybrid", or "mpi": Open MPI under mpirun, as torch.distributed's
 // mpi backend (rank and world size are MPI_COMM_WORLD's, init_method is not used, rank/world_size
 // other than -1 must agree with MPI; chorus/comm/mpi.h and docs/mpi.md; a build without MPI throws
-// UsageError saying how to get it). "nccl" does not exist here (UsageError says what does).
+// UsageError saying how to get it), or "nccl": chorus's group as with "chorus", plus an NCCL
+// communicator (chorus/torch/nccl.h) that then carries allreduce, broadcast, reduce, the allgathers
+// and reduce_scatter_tensor of CUDA tensors on the default group, one GPU per rank (a build without
+// -DCHORUS_WITH_NCCL=ON throws UsageError saying so; the other collectives are staged as above).
 // init_method: env://, tcp://, file:// (see chorus/comm/rendezvous.h). rank / world_size < 0 come
 // from the URL or the environment.
 void init_process_group(const std::string& backend = "chorus", const std::string& init_method = "env://",

@@ -1,0 +1,530 @@
+// chorus::dist::nccl with NCCL (built with -DCHORUS_WITH_NCCL=ON; nccl_unavailable.cc otherwise).
+// The communicator runs in NCCL's non-blocking mode, so that every wait here (setup, each
+// operation, teardown) is a poll with a deadline instead of a call that may never return.
+#include "chorus/torch/nccl.h"
+
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "chorus/comm/error.h"
+
+namespace chorus::dist::nccl {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string ms_text(std::chrono::milliseconds ms) { return std::to_string(ms.count()) + " ms"; }
+
+void check_cuda(cudaError_t rc, const std::string& what) {
+  if (rc != cudaSuccess) throw Error(what + " failed: " + cudaGetErrorString(rc));
+}
+
+// Sleeps a little longer each round, from a yield up to 1 ms, so short waits stay short.
+void back_off(int round) {
+  if (round < 64) {
+    std::this_thread::yield();
+  } else {
+    std::this_thread::sleep_for(std::chrono::microseconds(std::min(1000, 10 * (round - 63))));
+  }
+}
+
+ncclDataType_t nccl_type(const at::Tensor& t, const char* op) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return ncclFloat32;
+    case at::kDouble: return ncclFloat64;
+    case at::kHalf: return ncclFloat16;
+    case at::kBFloat16: return ncclBfloat16;
+    case at::kChar: return ncclInt8;
+    case at::kByte: return ncclUint8;
+    case at::kBool: return ncclUint8;
+    case at::kInt: return ncclInt32;
+    case at::kLong: return ncclInt64;
+    default: break;
+  }
+  std::ostringstream out;
+  out << "chorus::dist::nccl::" << op << ": dtype " << t.scalar_type()
+      << " is not supported; use float32, float64, float16, bfloat16, int8, uint8, int32, int64 or bool";
+  throw UsageError(out.str());
+}
+
+ncclRedOp_t nccl_op(ReduceOp op, const at::Tensor& t, const char* name) {
+  if (t.scalar_type() == at::kBool) {
+    throw UsageError(std::string("chorus::dist::nccl::") + name +
+                     ": bool tensors cannot be reduced; convert with .to(torch::kUInt8)");
+  }
+  switch (op) {
+    case ReduceOp::kSum: return ncclSum;
+    case ReduceOp::kProd: return ncclProd;
+    case ReduceOp::kMin: return ncclMin;
+    case ReduceOp::kMax: return ncclMax;
+    case ReduceOp::kAvg: return ncclAvg;
+  }
+  throw UsageError(std::string("chorus::dist::nccl::") + name + ": unknown reduce op");
+}
+
+int choose_device(int asked) {
+  int count = 0;
+  check_cuda(cudaGetDeviceCount(&count), "chorus::dist::nccl: cudaGetDeviceCount");
+  if (count == 0) throw UsageError("chorus::dist::nccl: no CUDA device is visible to this process");
+  if (asked >= 0) {
+    if (asked >= count) {
+      throw UsageError("chorus::dist::nccl: device " + std::to_string(asked) + " asked for, but " +
+                       std::to_string(count) + " CUDA device(s) are visible");
+    }
+    return asked;
+  }
+  if (const char* local = std::getenv("LOCAL_RANK"); local != nullptr && *local != '\0') {
+    return std::atoi(local) % count;
+  }
+  int current = 0;
+  check_cuda(cudaGetDevice(&current), "chorus::dist::nccl: cudaGetDevice");
+  return current;
+}
+
+}  // namespace
+
+struct Communicator::Impl {
+  ncclComm_t comm = nullptr;
+  int rank = 0;
+  int size = 1;
+  int device = 0;
+  std::chrono::milliseconds timeout{300000};
+  // Serialises calls into NCCL on this communicator (recursive: an error inside a call aborts).
+  // In non-blocking mode no NCCL call blocks, so it is held briefly; comm is nullptr once aborted
+  // or destroyed, and read only under it.
+  mutable std::recursive_mutex mu;
+  std::mutex broken_mu;      // guards broken_why
+  std::string broken_why;    // set once, by abort()
+  std::atomic<bool> aborted{false};
+  uint64_t sequence = 0;     // operations issued, for messages
+
+  std::string who() const {
+    return "rank " + std::to_string(rank) + " of " + std::to_string(size) + " (NCCL, cuda:" + std::to_string(device) + ")";
+  }
+
+  std::string nccl_error(ncclResult_t rc) const {
+    std::string text = ncclGetErrorString(rc);
+    const char* last = comm != nullptr ? ncclGetLastError(comm) : ncclGetLastError(nullptr);
+    if (last != nullptr && *last != '\0') text += ": " + std::string(last);
+    return text;
+  }
+
+  std::string broken() {
+    std::lock_guard<std::mutex> lock(broken_mu);
+    return broken_why;
+  }
+
+  void abort(const std::string& why) {
+    {
+      std::lock_guard<std::mutex> lock(broken_mu);
+      if (!broken_why.empty()) return;
+      broken_why = why;
+    }
+    aborted = true;  // a poll loop holding mu sees this and lets go
+    // ncclCommAbort stops the communicator's kernels and proxy threads; it does not wait for the
+    // peers. It frees the communicator, so no other call may be in NCCL on it meanwhile.
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (comm != nullptr) ncclCommAbort(comm);
+    comm = nullptr;
+  }
+
+  void throw_if_broken(const std::string& op) {
+    std::string why = broken();
+    if (!why.empty()) {
+      throw PeerError("chorus::dist::nccl: " + op + " on " + who() + ": the communicator was aborted earlier: " + why +
+                      "; make a new one (destroy_process_group and init_process_group again)");
+    }
+  }
+
+  // In non-blocking mode a call may return ncclInProgress: poll until NCCL has taken it, with the
+  // deadline. An error or a timeout aborts the communicator.
+  void settle(ncclResult_t rc, const std::string& op, Clock::time_point deadline) {
+    for (int round = 0; rc == ncclInProgress; ++round) {
+      if (aborted) throw_if_broken(op);
+      if (Clock::now() > deadline) {
+        const std::string why = op + " did not complete within " + ms_text(timeout);
+        abort(why);
+        throw TimeoutError("chorus::dist::nccl: " + op + " on " + who() + " did not complete within " +
+                           ms_text(timeout) + ": a peer has not joined or stopped answering; check that every "
+                           "rank made the same calls in the same order and is alive");
+      }
+      back_off(round);
+      if (aborted || comm == nullptr) throw_if_broken(op);
+      ncclResult_t state = ncclSuccess;
+      ncclCommGetAsyncError(comm, &state);
+      rc = state;
+    }
+    if (rc != ncclSuccess) fail(rc, op);
+  }
+
+  [[noreturn]] void fail(ncclResult_t rc, const std::string& op) {
+    const std::string text = nccl_error(rc);
+    abort(op + ": " + text);
+    const std::string where = "chorus::dist::nccl: " + op + " on " + who() + " failed: " + text;
+    switch (rc) {
+      case ncclInvalidArgument:
+      case ncclInvalidUsage:
+        throw UsageError(where + "; NCCL needs one GPU per rank, the same calls on every rank, and tensors on "
+                                 "the communicator's device");
+      case ncclRemoteError:
+        throw PeerError(where + " (a peer failed or left)");
+      case ncclSystemError:
+        throw PeerError(where + " (a system call or the network failed)");
+      default:
+        throw Error(where);
+    }
+  }
+
+  // Waits on the host until `done` has completed on the GPU, watching NCCL's asynchronous error.
+  void wait_event(cudaEvent_t done, const std::string& op, std::chrono::milliseconds limit) {
+    const auto deadline = Clock::now() + limit;
+    for (int round = 0;; ++round) {
+      cudaError_t q = cudaEventQuery(done);
+      if (q == cudaSuccess) return;
+      if (q != cudaErrorNotReady) check_cuda(q, "chorus::dist::nccl: " + op + " on " + who() + ": cudaEventQuery");
+      throw_if_broken(op);
+      ncclResult_t state = ncclSuccess;
+      {
+        std::lock_guard<std::recursive_mutex> lock(mu);
+        if (comm != nullptr) ncclCommGetAsyncError(comm, &state);
+      }
+      if (state != ncclSuccess && state != ncclInProgress) fail(state, op);
+      if (Clock::now() > deadline) {
+        abort(op + " did not finish within " + ms_text(limit));
+        throw TimeoutError("chorus::dist::nccl: " + op + " on " + who() + " did not finish within " +
+                           ms_text(limit) + ": a peer did not make the matching call, or died, or the GPU is "
+                           "busy with long work queued before it; the communicator was aborted");
+      }
+      back_off(round);
+    }
+  }
+
+  // Ends the communicator: finalise (its pending operations complete, with the deadline) and
+  // destroy; abort instead when that fails. Nothing throws: it runs in a destructor.
+  void finalize() {
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    if (comm == nullptr) return;
+    try {
+      settle(ncclCommFinalize(comm), "finalize", Clock::now() + timeout);
+    } catch (const Error&) {
+      return;  // settle aborted it (which freed it)
+    }
+    ncclCommDestroy(comm);
+    comm = nullptr;
+    std::lock_guard<std::mutex> b(broken_mu);
+    if (broken_why.empty()) broken_why = "the communicator was destroyed";
+  }
+};
+
+namespace {
+
+// A queued operation: complete once the event recorded after it on the stream has fired.
+class NcclWork final : public Work {
+ public:
+  NcclWork(std::shared_ptr<Communicator::Impl> owner, std::string op, cudaEvent_t start, cudaEvent_t done,
+           std::vector<at::Tensor> keep)
+      : owner_(std::move(owner)), op_(std::move(op)), start_(start), done_(done), keep_(std::move(keep)) {}
+  ~NcclWork() override {
+    cudaEventDestroy(start_);
+    cudaEventDestroy(done_);
+  }
+
+  bool is_completed() const override { return error_ != nullptr || cudaEventQuery(done_) == cudaSuccess; }
+  bool is_success() const override { return is_completed() && error_ == nullptr; }
+  void wait() override { wait_for(owner_->timeout); }
+  void wait(std::chrono::milliseconds timeout) override { wait_for(timeout); }
+  std::exception_ptr exception() const override { return error_; }
+  const std::vector<std::string>& objects() const override { return none_; }
+  std::chrono::nanoseconds run_time() const override {
+    float ms = 0;
+    if (cudaEventElapsedTime(&ms, start_, done_) != cudaSuccess) return std::chrono::nanoseconds(0);
+    return std::chrono::nanoseconds(static_cast<int64_t>(ms * 1e6));
+  }
+
+ private:
+  void wait_for(std::chrono::milliseconds limit) {
+    if (error_) std::rethrow_exception(error_);
+    try {
+      owner_->wait_event(done_, op_, limit);
+    } catch (...) {
+      error_ = std::current_exception();
+      throw;
+    }
+    keep_.clear();
+  }
+
+  std::shared_ptr<Communicator::Impl> owner_;
+  std::string op_;
+  cudaEvent_t start_;
+  cudaEvent_t done_;
+  std::vector<at::Tensor> keep_;
+  std::exception_ptr error_;
+  const std::vector<std::string> none_;
+};
+
+// Joins the communicator: ncclCommInitRankConfig in non-blocking mode, polled with the deadline.
+// `missing` names the ranks that have not joined yet (for the timeout's message).
+ncclComm_t join(Communicator::Impl& c, const ncclUniqueId& id, const std::function<std::string()>& missing) {
+  check_cuda(cudaSetDevice(c.device), "chorus::dist::nccl: cudaSetDevice(" + std::to_string(c.device) + ")");
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  const auto deadline = Clock::now() + c.timeout;
+  ncclResult_t rc = ncclCommInitRankConfig(&c.comm, c.size, id, c.rank, &config);
+  if (rc != ncclSuccess && rc != ncclInProgress) {
+    const std::string text = c.nccl_error(rc);
+    if (c.comm != nullptr) ncclCommAbort(c.comm);
+    c.comm = nullptr;
+    throw Error("chorus::dist::nccl: ncclCommInitRankConfig on " + c.who() + " failed: " + text);
+  }
+  for (int round = 0; rc == ncclInProgress; ++round) {
+    if (Clock::now() > deadline) {
+      ncclCommAbort(c.comm);
+      c.comm = nullptr;
+      const std::string who_missing = missing ? missing() : std::string();
+      throw TimeoutError("chorus::dist::nccl: setting up the communicator on " + c.who() + " did not complete within " +
+                         ms_text(c.timeout) +
+                         (who_missing.empty() ? std::string(": a peer did not join")
+                                              : ": " + who_missing + " did not join") +
+                         "; every rank must create the communicator (init_process_group(\"nccl\")) with its own GPU");
+    }
+    back_off(round);
+    ncclCommGetAsyncError(c.comm, &rc);
+  }
+  if (rc != ncclSuccess) {
+    const std::string text = c.nccl_error(rc);
+    ncclCommAbort(c.comm);
+    c.comm = nullptr;
+    std::string fix = "; NCCL needs one GPU per rank: give each rank its own device (CommunicatorOptions::device, "
+                      "or LOCAL_RANK), or use chorus's own backend (\"chorus\"), which lets ranks share a GPU";
+    if (rc == ncclInvalidUsage || rc == ncclInvalidArgument) {
+      throw UsageError("chorus::dist::nccl: setting up the communicator on " + c.who() + " failed: " + text + fix);
+    }
+    throw Error("chorus::dist::nccl: setting up the communicator on " + c.who() + " failed: " + text);
+  }
+  return c.comm;
+}
+
+std::string id_bytes(const ncclUniqueId& id) { return std::string(id.internal, sizeof(id.internal)); }
+
+ncclUniqueId id_from(const std::string& bytes, const std::string& where) {
+  ncclUniqueId id;
+  if (bytes.size() != sizeof(id.internal)) {
+    throw MismatchError("chorus::dist::nccl: " + where + ": the unique id has " + std::to_string(bytes.size()) +
+                        " bytes, expected " + std::to_string(sizeof(id.internal)) +
+                        " (ranks built against different NCCL versions?)");
+  }
+  std::memcpy(id.internal, bytes.data(), bytes.size());
+  return id;
+}
+
+void check_tensor(const Communicator::Impl& c, const at::Tensor& t, const char* op, const char* name = "tensor") {
+  const std::string where = std::string("chorus::dist::nccl::") + op + ": " + name;
+  if (!t.defined()) throw UsageError(where + " is undefined");
+  if (!t.is_cuda()) {
+    throw UsageError(where + " is on " + t.device().str() + "; NCCL takes CUDA tensors: move it with .to(torch::Device(\"cuda:" +
+                     std::to_string(c.device) + "\")) or use chorus's own backend for CPU tensors");
+  }
+  if (t.device().index() != c.device) {
+    throw UsageError(where + " is on " + t.device().str() + " but this rank's communicator is on cuda:" +
+                     std::to_string(c.device));
+  }
+  if (t.layout() != at::kStrided || !t.is_contiguous()) throw UsageError(where + " must be dense and contiguous; call .contiguous()");
+}
+
+}  // namespace
+
+bool built_with_nccl() { return true; }
+
+std::string version() {
+  int v = 0;
+  if (ncclGetVersion(&v) != ncclSuccess) return "";
+  // NCCL_VERSION(X,Y,Z) = X*10000 + Y*100 + Z from 2.9 on.
+  return std::to_string(v / 10000) + "." + std::to_string(v / 100 % 100) + "." + std::to_string(v % 100);
+}
+
+Communicator::Communicator(std::shared_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Communicator::~Communicator() {
+  if (impl_) impl_->finalize();
+}
+
+std::shared_ptr<Communicator> Communicator::create(ProcessGroup& group, CommunicatorOptions options) {
+  auto impl = std::make_shared<Impl>();
+  impl->rank = group.rank();
+  impl->size = group.size();
+  impl->timeout = options.timeout;
+  impl->device = choose_device(options.device);
+  std::string mine;
+  if (impl->rank == 0) {
+    ncclUniqueId id;
+    ncclResult_t rc = ncclGetUniqueId(&id);
+    if (rc != ncclSuccess) throw Error("chorus::dist::nccl: ncclGetUniqueId on rank 0 failed: " + impl->nccl_error(rc));
+    mine = id_bytes(id);
+  }
+  auto shared = group.broadcast_object(mine, 0);
+  shared->wait();
+  const ncclUniqueId id = id_from(shared->objects().at(0), "rank " + std::to_string(impl->rank));
+  join(*impl, id, {});
+  return std::shared_ptr<Communicator>(new Communicator(std::move(impl)));
+}
+
+std::shared_ptr<Communicator> Communicator::create(Store& store, const std::string& key, int rank, int size,
+                                                   CommunicatorOptions options) {
+  if (size < 1 || rank < 0 || rank >= size) {
+    throw UsageError("chorus::dist::nccl::Communicator::create: rank " + std::to_string(rank) + " of " +
+                     std::to_string(size) + " is out of range");
+  }
+  auto impl = std::make_shared<Impl>();
+  impl->rank = rank;
+  impl->size = size;
+  impl->timeout = options.timeout;
+  impl->device = choose_device(options.device);
+  const std::string id_key = key + "/id";
+  if (rank == 0) {
+    ncclUniqueId id;
+    ncclResult_t rc = ncclGetUniqueId(&id);
+    if (rc != ncclSuccess) throw Error("chorus::dist::nccl: ncclGetUniqueId on rank 0 failed: " + impl->nccl_error(rc));
+    store.set(id_key, id_bytes(id));
+  }
+  try {
+    store.wait({id_key}, options.timeout);
+  } catch (const TimeoutError& e) {
+    throw TimeoutError("chorus::dist::nccl: rank " + std::to_string(rank) + " of " + std::to_string(size) +
+                       " waited " + ms_text(options.timeout) + " for rank 0's NCCL unique id under '" + id_key +
+                       "' in " + store.describe() + ": rank 0 has not created its communicator (" + e.what() + ")");
+  }
+  const ncclUniqueId id = id_from(store.get(id_key), "rank " + std::to_string(rank));
+  store.set(key + "/joined/" + std::to_string(rank), "1");
+  auto missing = [&store, &key, size]() {
+    std::vector<int> absent;
+    for (int r = 0; r < size; ++r) {
+      try {
+        if (!store.check({key + "/joined/" + std::to_string(r)})) absent.push_back(r);
+      } catch (const Error&) {
+        return std::string();
+      }
+    }
+    if (absent.empty()) return std::string("a peer that joined then stopped");
+    std::string text = absent.size() == 1 ? "rank " : "ranks ";
+    for (size_t i = 0; i < absent.size(); ++i) text += (i ? ", " : "") + std::to_string(absent[i]);
+    return text;
+  };
+  join(*impl, id, missing);
+  return std::shared_ptr<Communicator>(new Communicator(std::move(impl)));
+}
+
+int Communicator::rank() const { return impl_->rank; }
+int Communicator::size() const { return impl_->size; }
+int Communicator::device() const { return impl_->device; }
+std::string Communicator::broken() const { return impl_->broken(); }
+void Communicator::abort(const std::string& why) { impl_->abort(why.empty() ? "aborted by the caller" : why); }
+
+namespace {
+
+// Queues `enqueue` on the current stream of the communicator's device, brackets it with events, and
+// returns its Work (waited on here unless async_op).
+WorkPtr issue(Communicator::Impl& c, const std::shared_ptr<Communicator::Impl>& owner, const std::string& name,
+              std::vector<at::Tensor> keep, bool async_op, const std::function<ncclResult_t(cudaStream_t)>& enqueue) {
+  cudaEvent_t start = nullptr;
+  cudaEvent_t done = nullptr;
+  WorkPtr work;
+  {
+    std::lock_guard<std::recursive_mutex> lock(c.mu);
+    const std::string op = name + " #" + std::to_string(++c.sequence);
+    c.throw_if_broken(op);
+    if (c.comm == nullptr) throw PeerError("chorus::dist::nccl: " + op + " on " + c.who() + ": the communicator is gone");
+    check_cuda(cudaSetDevice(c.device), "chorus::dist::nccl: cudaSetDevice");
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(c.device)).stream();
+    check_cuda(cudaEventCreate(&start), "chorus::dist::nccl: cudaEventCreate");
+    check_cuda(cudaEventCreate(&done), "chorus::dist::nccl: cudaEventCreate");
+    work = std::make_shared<NcclWork>(owner, op, start, done, std::move(keep));
+    check_cuda(cudaEventRecord(start, stream), "chorus::dist::nccl: cudaEventRecord");
+    c.settle(enqueue(stream), op, Clock::now() + c.timeout);
+    check_cuda(cudaEventRecord(done, stream), "chorus::dist::nccl: cudaEventRecord");
+  }
+  if (!async_op) work->wait();
+  return work;
+}
+
+}  // namespace
+
+// A Work keeps the Impl alive (not the communicator: the Communicator's destructor ends that).
+#define CHORUS_NCCL_OWNER impl_
+
+WorkPtr Communicator::all_reduce(const at::Tensor& t, ReduceOp op, bool async_op) {
+  check_tensor(*impl_, t, "all_reduce");
+  const ncclDataType_t type = nccl_type(t, "all_reduce");
+  const ncclRedOp_t rop = nccl_op(op, t, "all_reduce");
+  Impl& c = *impl_;
+  return issue(c, CHORUS_NCCL_OWNER, "all_reduce", {t}, async_op, [&](cudaStream_t s) {
+    return ncclAllReduce(t.data_ptr(), t.data_ptr(), static_cast<size_t>(t.numel()), type, rop, c.comm, s);
+  });
+}
+
+WorkPtr Communicator::broadcast(const at::Tensor& t, int root, bool async_op) {
+  check_tensor(*impl_, t, "broadcast");
+  if (root < 0 || root >= impl_->size) throw UsageError("chorus::dist::nccl::broadcast: root " + std::to_string(root) + " is out of range");
+  const ncclDataType_t type = nccl_type(t, "broadcast");
+  Impl& c = *impl_;
+  return issue(c, CHORUS_NCCL_OWNER, "broadcast", {t}, async_op, [&](cudaStream_t s) {
+    return ncclBroadcast(t.data_ptr(), t.data_ptr(), static_cast<size_t>(t.numel()), type, root, c.comm, s);
+  });
+}
+
+WorkPtr Communicator::reduce(const at::Tensor& t, int root, ReduceOp op, bool async_op) {
+  check_tensor(*impl_, t, "reduce");
+  if (root < 0 || root >= impl_->size) throw UsageError("chorus::dist::nccl::reduce: root " + std::to_string(root) + " is out of range");
+  const ncclDataType_t type = nccl_type(t, "reduce");
+  const ncclRedOp_t rop = nccl_op(op, t, "reduce");
+  Impl& c = *impl_;
+  // NCCL writes recvbuff on root only; in place, the other ranks' tensors are left as they were
+  // (NCCL reads sendbuff there and does not write it).
+  return issue(c, CHORUS_NCCL_OWNER, "reduce", {t}, async_op, [&](cudaStream_t s) {
+    return ncclReduce(t.data_ptr(), t.data_ptr(), static_cast<size_t>(t.numel()), type, rop, root, c.comm, s);
+  });
+}
+
+WorkPtr Communicator::all_gather_into_tensor(const at::Tensor& output, const at::Tensor& input, bool async_op) {
+  check_tensor(*impl_, input, "all_gather_into_tensor", "input");
+  check_tensor(*impl_, output, "all_gather_into_tensor", "output");
+  if (output.numel() != input.numel() * impl_->size || output.scalar_type() != input.scalar_type()) {
+    throw UsageError("chorus::dist::nccl::all_gather_into_tensor: output must have world_size x input's elements (" +
+                     std::to_string(input.numel() * impl_->size) + ") and input's dtype");
+  }
+  const ncclDataType_t type = nccl_type(input, "all_gather_into_tensor");
+  Impl& c = *impl_;
+  return issue(c, CHORUS_NCCL_OWNER, "all_gather_into_tensor", {output, input}, async_op, [&](cudaStream_t s) {
+    return ncclAllGather(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()), type, c.comm, s);
+  });
+}
+
+WorkPtr Communicator::reduce_scatter_tensor(const at::Tensor& output, const at::Tensor& input, ReduceOp op,
+                                            bool async_op) {
+  check_tensor(*impl_, input, "reduce_scatter_tensor", "input");
+  check_tensor(*impl_, output, "reduce_scatter_tensor", "output");
+  if (input.numel() != output.numel() * impl_->size || output.scalar_type() != input.scalar_type()) {
+    throw UsageError("chorus::dist::nccl::reduce_scatter_tensor: input must have world_size x output's elements (" +
+                     std::to_string(output.numel() * impl_->size) + ") and output's dtype");
+  }
+  const ncclDataType_t type = nccl_type(input, "reduce_scatter_tensor");
+  const ncclRedOp_t rop = nccl_op(op, input, "reduce_scatter_tensor");
+  Impl& c = *impl_;
+  return issue(c, CHORUS_NCCL_OWNER, "reduce_scatter_tensor", {output, input}, async_op, [&](cudaStream_t s) {
+    return ncclReduceScatter(input.data_ptr(), output.data_ptr(), static_cast<size_t>(output.numel()), type, rop,
+                             c.comm, s);
+  });
+}
+
+#undef CHORUS_NCCL_OWNER
+
+}  // namespace chorus::dist::nccl
