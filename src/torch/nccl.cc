@@ -364,16 +364,22 @@ std::shared_ptr<Communicator> Communicator::create(ProcessGroup& group, Communic
   impl->size = group.size();
   impl->timeout = options.timeout;
   impl->device = choose_device(options.device);
+  // Rank 0 sends the id, or why it has none (so that the others fail at once, not at the deadline).
+  const std::string kFailed = "failed:";
   std::string mine;
   if (impl->rank == 0) {
     ncclUniqueId id;
     ncclResult_t rc = ncclGetUniqueId(&id);
-    if (rc != ncclSuccess) throw Error("chorus::dist::nccl: ncclGetUniqueId on rank 0 failed: " + impl->nccl_error(rc));
-    mine = id_bytes(id);
+    mine = rc == ncclSuccess ? id_bytes(id) : kFailed + impl->nccl_error(rc);
   }
   auto shared = group.broadcast_object(mine, 0);
   shared->wait();
-  const ncclUniqueId id = id_from(shared->objects().at(0), "rank " + std::to_string(impl->rank));
+  const std::string& got = shared->objects().at(0);
+  if (got.size() != NCCL_UNIQUE_ID_BYTES && got.compare(0, kFailed.size(), kFailed) == 0) {
+    throw Error("chorus::dist::nccl: ncclGetUniqueId on rank 0 failed: " + got.substr(kFailed.size()) +
+                (impl->rank == 0 ? "" : " (reported to rank " + std::to_string(impl->rank) + ")"));
+  }
+  const ncclUniqueId id = id_from(got, "rank " + std::to_string(impl->rank));
   join(*impl, id, {});
   return std::shared_ptr<Communicator>(new Communicator(std::move(impl)));
 }
