@@ -30,8 +30,14 @@ class TensorWork final : public Work {
   TensorWork(std::shared_ptr<Work> inner, std::vector<at::Tensor> keep, std::function<void()> finish = {})
       : inner_(std::move(inner)), keep_(std::move(keep)), finish_(std::move(finish)) {}
 
-  bool is_completed() const override { return inner_->is_completed(); }
-  bool is_success() const override { return inner_->is_success(); }
+  // Complete once the completion step has run too (run here, by whoever asks first, once the inner
+  // operation succeeded), so that a caller polling is_completed() then reads the final tensors.
+  bool is_completed() const override {
+    if (!inner_->is_completed()) return false;
+    if (inner_->is_success()) complete();
+    return true;
+  }
+  bool is_success() const override { return is_completed() && inner_->is_success(); }
   void wait() override {
     inner_->wait();
     complete();
@@ -45,7 +51,7 @@ class TensorWork final : public Work {
   std::chrono::nanoseconds run_time() const override { return inner_->run_time(); }
 
  private:
-  void complete() {
+  void complete() const {
     std::call_once(once_, [&] {
       if (finish_) finish_();
       keep_.clear();
@@ -53,9 +59,9 @@ class TensorWork final : public Work {
   }
 
   std::shared_ptr<Work> inner_;
-  std::vector<at::Tensor> keep_;
+  mutable std::vector<at::Tensor> keep_;
   std::function<void()> finish_;
-  std::once_flag once_;
+  mutable std::once_flag once_;
 };
 
 void check_tensor(const at::Tensor& t, const char* op, const char* name = "tensor") {
@@ -338,7 +344,9 @@ WorkPtr all_gather_into_tensor(const at::Tensor& output, const at::Tensor& input
   const DataType type = copy_type(input);
   const auto count = static_cast<size_t>(input.numel());
   if (staging::on_device(input) || staging::on_device(output)) {
-    if (auto comm = nccl_for(group)) return comm->all_gather_into_tensor(output, input, async_op);
+    if (auto comm = nccl_for(group); comm && staging::on_device(input) && staging::on_device(output)) {
+      return comm->all_gather_into_tensor(output, input, async_op);
+    }
     return staged_whole(pg, "all_gather_into_tensor", input, output, [&pg, type, count](const void* in, void* out) {
       return pg.allgather(in, out, count, type);
     }, async_op);
@@ -453,7 +461,9 @@ WorkPtr reduce_scatter_tensor(const at::Tensor& output, const at::Tensor& input,
   const DataType type = reduce_type(output, "reduce_scatter_tensor");
   const auto count = static_cast<size_t>(output.numel());
   if (staging::on_device(input) || staging::on_device(output)) {
-    if (auto comm = nccl_for(group)) return comm->reduce_scatter_tensor(output, input, op, async_op);
+    if (auto comm = nccl_for(group); comm && staging::on_device(input) && staging::on_device(output)) {
+      return comm->reduce_scatter_tensor(output, input, op, async_op);
+    }
     return staged_whole(pg, "reduce_scatter_tensor", input, output, [&pg, type, count, op](const void* in, void* out) {
       return pg.reduce_scatter(in, out, count, type, op);
     }, async_op);

@@ -6,6 +6,9 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <thread>
+
 #include "chorus/comm/error.h"
 #include "chorus/comm/mpi.h"
 #include "testing.h"
@@ -122,6 +125,32 @@ TEST_P(TorchDistributed, EveryCollectiveOnTensors) {
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, TorchDistributed, ::testing::Values(1, 2, 3),
                          [](const auto& info) { return "W" + std::to_string(info.param); });
+
+// An async all_gather into a tensor list is complete only once the list holds the result: a caller
+// that polls is_completed() and then reads the list, without wait(), reads the gathered values.
+TEST(TorchDistributedAsync, PollingAnAllGatherSeesTheFinalList) {
+  EXPECT_EQ(testing::run_ranks(3, [](int rank, int world, std::shared_ptr<Store>) {
+    init_process_group();
+    for (int round = 0; round < 50; ++round) {
+      std::vector<at::Tensor> parts;
+      for (int i = 0; i < world; ++i) parts.push_back(at::full({1000}, -1.0f));
+      auto work = all_gather(parts, at::full({1000}, static_cast<float>(rank * 100 + round)), nullptr, true);
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+      while (!work->is_completed()) {
+        if (std::chrono::steady_clock::now() > deadline) throw std::runtime_error("all_gather never completed");
+        std::this_thread::yield();
+      }
+      if (!work->is_success()) throw std::runtime_error("all_gather failed");
+      for (int i = 0; i < world; ++i) {
+        if (!at::equal(parts[i], at::full({1000}, static_cast<float>(i * 100 + round)))) {
+          throw std::runtime_error("round " + std::to_string(round) + ": block " + std::to_string(i) +
+                                   " is not rank " + std::to_string(i) + "'s after is_completed()");
+        }
+      }
+    }
+    destroy_process_group();
+  }), "");
+}
 
 TEST(TorchDistributedErrors, TensorsChorusCannotTakeGetClearErrors) {
   std::string err = testing::run_ranks(1, [](int, int, std::shared_ptr<Store>) {

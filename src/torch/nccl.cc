@@ -3,6 +3,8 @@
 // operation, teardown) is a poll with a deadline instead of a call that may never return.
 #include "chorus/torch/nccl.h"
 
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 #include <nccl.h>
@@ -84,7 +86,9 @@ int choose_device(int asked) {
     return asked;
   }
   if (const char* local = std::getenv("LOCAL_RANK"); local != nullptr && *local != '\0') {
-    return std::atoi(local) % count;
+    const int local_rank = std::atoi(local);
+    if (local_rank < 0) throw UsageError("chorus::dist::nccl: LOCAL_RANK is " + std::string(local) + "; expected 0 or more");
+    return local_rank % count;
   }
   int current = 0;
   check_cuda(cudaGetDevice(&current), "chorus::dist::nccl: cudaGetDevice");
@@ -92,6 +96,21 @@ int choose_device(int asked) {
 }
 
 }  // namespace
+
+// One queued operation's completion, shared by its Work and the communicator's list of pending
+// operations: abort() marks those whose event has not fired as cut, because aborting stops NCCL's
+// kernels and the event after them then fires although the result is incomplete.
+struct Pending {
+  cudaEvent_t start = nullptr;
+  cudaEvent_t done = nullptr;
+  Clock::time_point issued;
+  std::atomic<bool> cut{false};
+  ~Pending() {
+    if (start != nullptr) cudaEventDestroy(start);
+    if (done != nullptr) cudaEventDestroy(done);
+  }
+  bool fired() const { return cudaEventQuery(done) == cudaSuccess; }
+};
 
 struct Communicator::Impl {
   ncclComm_t comm = nullptr;
@@ -101,20 +120,22 @@ struct Communicator::Impl {
   std::chrono::milliseconds timeout{300000};
   // Serialises calls into NCCL on this communicator (recursive: an error inside a call aborts).
   // In non-blocking mode no NCCL call blocks, so it is held briefly; comm is nullptr once aborted
-  // or destroyed, and read only under it.
+  // or destroyed, and read and written only under it.
   mutable std::recursive_mutex mu;
   std::mutex broken_mu;      // guards broken_why
-  std::string broken_why;    // set once, by abort()
+  std::string broken_why;    // set once, by abort() or at destruction
   std::atomic<bool> aborted{false};
-  uint64_t sequence = 0;     // operations issued, for messages
+  uint64_t sequence = 0;     // operations issued, for messages (under mu)
+  std::vector<std::shared_ptr<Pending>> pending;  // issued, not yet seen complete (under mu)
 
   std::string who() const {
     return "rank " + std::to_string(rank) + " of " + std::to_string(size) + " (NCCL, cuda:" + std::to_string(device) + ")";
   }
 
-  std::string nccl_error(ncclResult_t rc) const {
+  // NCCL's text for rc and its last error message (ncclGetLastError does not read its argument).
+  static std::string nccl_error(ncclResult_t rc) {
     std::string text = ncclGetErrorString(rc);
-    const char* last = comm != nullptr ? ncclGetLastError(comm) : ncclGetLastError(nullptr);
+    const char* last = ncclGetLastError(nullptr);
     if (last != nullptr && *last != '\0') text += ": " + std::string(last);
     return text;
   }
@@ -131,9 +152,14 @@ struct Communicator::Impl {
       broken_why = why;
     }
     aborted = true;  // a poll loop holding mu sees this and lets go
+    std::lock_guard<std::recursive_mutex> lock(mu);
+    // Before the kernels are stopped: what has not finished by now is cut short.
+    for (const auto& p : pending) {
+      if (!p->fired()) p->cut = true;
+    }
+    pending.clear();
     // ncclCommAbort stops the communicator's kernels and proxy threads; it does not wait for the
     // peers. It frees the communicator, so no other call may be in NCCL on it meanwhile.
-    std::lock_guard<std::recursive_mutex> lock(mu);
     if (comm != nullptr) ncclCommAbort(comm);
     comm = nullptr;
   }
@@ -141,28 +167,33 @@ struct Communicator::Impl {
   void throw_if_broken(const std::string& op) {
     std::string why = broken();
     if (!why.empty()) {
-      throw PeerError("chorus::dist::nccl: " + op + " on " + who() + ": the communicator was aborted earlier: " + why +
+      throw PeerError("chorus::dist::nccl: " + op + " on " + who() + ": the communicator was aborted: " + why +
                       "; make a new one (destroy_process_group and init_process_group again)");
     }
   }
 
+  // NCCL's asynchronous state (ncclInProgress while a non-blocking call is being taken). Under mu.
+  ncclResult_t async_state() {
+    if (comm == nullptr) return ncclInvalidUsage;  // only after abort or destruction: callers check broken first
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t rc = ncclCommGetAsyncError(comm, &state);
+    return rc != ncclSuccess ? rc : state;
+  }
+
   // In non-blocking mode a call may return ncclInProgress: poll until NCCL has taken it, with the
-  // deadline. An error or a timeout aborts the communicator.
-  void settle(ncclResult_t rc, const std::string& op, Clock::time_point deadline) {
+  // deadline. An error or a timeout aborts the communicator. Under mu.
+  void settle(ncclResult_t rc, const std::string& op, Clock::time_point deadline, std::chrono::milliseconds limit) {
     for (int round = 0; rc == ncclInProgress; ++round) {
       if (aborted) throw_if_broken(op);
       if (Clock::now() > deadline) {
-        const std::string why = op + " did not complete within " + ms_text(timeout);
-        abort(why);
+        abort(op + " did not complete within " + ms_text(limit));
         throw TimeoutError("chorus::dist::nccl: " + op + " on " + who() + " did not complete within " +
-                           ms_text(timeout) + ": a peer has not joined or stopped answering; check that every "
+                           ms_text(limit) + ": a peer has not joined or stopped answering; check that every "
                            "rank made the same calls in the same order and is alive");
       }
       back_off(round);
       if (aborted || comm == nullptr) throw_if_broken(op);
-      ncclResult_t state = ncclSuccess;
-      ncclCommGetAsyncError(comm, &state);
-      rc = state;
+      rc = async_state();
     }
     if (rc != ncclSuccess) fail(rc, op);
   }
@@ -185,42 +216,67 @@ struct Communicator::Impl {
     }
   }
 
-  // Waits on the host until `done` has completed on the GPU, watching NCCL's asynchronous error.
-  void wait_event(cudaEvent_t done, const std::string& op, std::chrono::milliseconds limit) {
-    const auto deadline = Clock::now() + limit;
+  // Waits on the host until `p` has completed on the GPU, watching NCCL's asynchronous error.
+  // Past the communicator's deadline (from when the operation was issued) the communicator is
+  // aborted; past a caller's shorter `limit` only this wait ends (TimeoutError), and the
+  // operation goes on, as Work::wait(timeout) promises.
+  void wait_for(Pending& p, const std::string& op, const std::chrono::milliseconds* limit) {
+    const auto own_deadline = p.issued + timeout;
+    const auto deadline = limit != nullptr ? std::min(own_deadline, Clock::now() + *limit) : own_deadline;
     for (int round = 0;; ++round) {
-      cudaError_t q = cudaEventQuery(done);
-      if (q == cudaSuccess) return;
+      if (p.cut) throw_if_broken(op);
+      const cudaError_t q = cudaEventQuery(p.done);
+      if (q == cudaSuccess) {
+        if (p.cut) throw_if_broken(op);
+        return;
+      }
       if (q != cudaErrorNotReady) check_cuda(q, "chorus::dist::nccl: " + op + " on " + who() + ": cudaEventQuery");
       throw_if_broken(op);
-      ncclResult_t state = ncclSuccess;
       {
         std::lock_guard<std::recursive_mutex> lock(mu);
-        if (comm != nullptr) ncclCommGetAsyncError(comm, &state);
+        if (!aborted) {
+          const ncclResult_t state = async_state();
+          if (state != ncclSuccess && state != ncclInProgress) fail(state, op);
+        }
       }
-      if (state != ncclSuccess && state != ncclInProgress) fail(state, op);
-      if (Clock::now() > deadline) {
-        abort(op + " did not finish within " + ms_text(limit));
-        throw TimeoutError("chorus::dist::nccl: " + op + " on " + who() + " did not finish within " +
-                           ms_text(limit) + ": a peer did not make the matching call, or died, or the GPU is "
-                           "busy with long work queued before it; the communicator was aborted");
+      const auto now = Clock::now();
+      if (now > deadline) {
+        if (now > own_deadline) {
+          abort(op + " did not finish within " + ms_text(timeout));
+          throw TimeoutError("chorus::dist::nccl: " + op + " on " + who() + " did not finish within " +
+                             ms_text(timeout) + ": a peer did not make the matching call, or died, or the GPU "
+                             "is busy with long work queued before it; the communicator was aborted");
+        }
+        throw TimeoutError("chorus::dist::nccl: " + op + " on " + who() + " has not finished after waiting " +
+                           ms_text(*limit) + "; it goes on (wait again, or abort)");
       }
       back_off(round);
     }
   }
 
-  // Ends the communicator: finalise (its pending operations complete, with the deadline) and
-  // destroy; abort instead when that fails. Nothing throws: it runs in a destructor.
+  // Ends the communicator: waits for pending operations (with the deadline), then finalises
+  // (polled, at most 10 s: finalising needs the peers to be quiescent too) and destroys it; aborts
+  // instead when any of that fails. Nothing throws: it runs in a destructor.
   void finalize() {
-    std::lock_guard<std::recursive_mutex> lock(mu);
-    if (comm == nullptr) return;
-    try {
-      settle(ncclCommFinalize(comm), "finalize", Clock::now() + timeout);
-    } catch (const Error&) {
-      return;  // settle aborted it (which freed it)
+    std::vector<std::shared_ptr<Pending>> left;
+    {
+      std::lock_guard<std::recursive_mutex> lock(mu);
+      if (comm == nullptr) return;
+      left = pending;
     }
-    ncclCommDestroy(comm);
-    comm = nullptr;
+    try {
+      for (const auto& p : left) wait_for(*p, "an operation pending at destruction", nullptr);
+      std::lock_guard<std::recursive_mutex> lock(mu);
+      if (comm == nullptr) return;
+      const auto limit = std::min(timeout, std::chrono::milliseconds(10000));
+      settle(ncclCommFinalize(comm), "finalize", Clock::now() + limit, limit);
+      ncclCommDestroy(comm);
+      comm = nullptr;
+      pending.clear();
+    } catch (const Error&) {
+      abort("destroyed while broken");  // no-op if already aborted
+      return;
+    }
     std::lock_guard<std::mutex> b(broken_mu);
     if (broken_why.empty()) broken_why = "the communicator was destroyed";
   }
@@ -228,45 +284,54 @@ struct Communicator::Impl {
 
 namespace {
 
-// A queued operation: complete once the event recorded after it on the stream has fired.
+// A queued operation: complete once the event recorded after it on the stream has fired (and
+// failed if an abort cut it short).
 class NcclWork final : public Work {
  public:
-  NcclWork(std::shared_ptr<Communicator::Impl> owner, std::string op, cudaEvent_t start, cudaEvent_t done,
+  NcclWork(std::shared_ptr<Communicator::Impl> owner, std::string op, std::shared_ptr<Pending> pending,
            std::vector<at::Tensor> keep)
-      : owner_(std::move(owner)), op_(std::move(op)), start_(start), done_(done), keep_(std::move(keep)) {}
-  ~NcclWork() override {
-    cudaEventDestroy(start_);
-    cudaEventDestroy(done_);
-  }
+      : owner_(std::move(owner)), op_(std::move(op)), pending_(std::move(pending)), keep_(std::move(keep)) {}
 
-  bool is_completed() const override { return error_ != nullptr || cudaEventQuery(done_) == cudaSuccess; }
-  bool is_success() const override { return is_completed() && error_ == nullptr; }
-  void wait() override { wait_for(owner_->timeout); }
-  void wait(std::chrono::milliseconds timeout) override { wait_for(timeout); }
-  std::exception_ptr exception() const override { return error_; }
+  bool is_completed() const override { return exception() != nullptr || pending_->cut || pending_->fired(); }
+  bool is_success() const override { return !pending_->cut && exception() == nullptr && pending_->fired(); }
+  void wait() override { wait_for(nullptr); }
+  void wait(std::chrono::milliseconds timeout) override { wait_for(&timeout); }
+  std::exception_ptr exception() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return error_;
+  }
   const std::vector<std::string>& objects() const override { return none_; }
   std::chrono::nanoseconds run_time() const override {
     float ms = 0;
-    if (cudaEventElapsedTime(&ms, start_, done_) != cudaSuccess) return std::chrono::nanoseconds(0);
+    if (cudaEventElapsedTime(&ms, pending_->start, pending_->done) != cudaSuccess) return std::chrono::nanoseconds(0);
     return std::chrono::nanoseconds(static_cast<int64_t>(ms * 1e6));
   }
 
  private:
-  void wait_for(std::chrono::milliseconds limit) {
-    if (error_) std::rethrow_exception(error_);
+  void wait_for(const std::chrono::milliseconds* limit) {
+    if (auto e = exception()) std::rethrow_exception(e);
     try {
-      owner_->wait_event(done_, op_, limit);
+      owner_->wait_for(*pending_, op_, limit);
+    } catch (const TimeoutError&) {
+      // A caller's own shorter limit leaves the operation going; the communicator's deadline broke it.
+      if (!owner_->broken().empty()) record(std::current_exception());
+      throw;
     } catch (...) {
-      error_ = std::current_exception();
+      record(std::current_exception());
       throw;
     }
+    std::lock_guard<std::mutex> lock(mu_);
     keep_.clear();
+  }
+  void record(std::exception_ptr e) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!error_) error_ = std::move(e);
   }
 
   std::shared_ptr<Communicator::Impl> owner_;
   std::string op_;
-  cudaEvent_t start_;
-  cudaEvent_t done_;
+  std::shared_ptr<Pending> pending_;
+  mutable std::mutex mu_;  // error_, keep_
   std::vector<at::Tensor> keep_;
   std::exception_ptr error_;
   const std::vector<std::string> none_;
@@ -275,13 +340,14 @@ class NcclWork final : public Work {
 // Joins the communicator: ncclCommInitRankConfig in non-blocking mode, polled with the deadline.
 // `missing` names the ranks that have not joined yet (for the timeout's message).
 ncclComm_t join(Communicator::Impl& c, const ncclUniqueId& id, const std::function<std::string()>& missing) {
-  check_cuda(cudaSetDevice(c.device), "chorus::dist::nccl: cudaSetDevice(" + std::to_string(c.device) + ")");
+  // NCCL takes the current device; the caller's is restored after.
+  c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(c.device));
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
   const auto deadline = Clock::now() + c.timeout;
   ncclResult_t rc = ncclCommInitRankConfig(&c.comm, c.size, id, c.rank, &config);
   if (rc != ncclSuccess && rc != ncclInProgress) {
-    const std::string text = c.nccl_error(rc);
+    const std::string text = Communicator::Impl::nccl_error(rc);
     if (c.comm != nullptr) ncclCommAbort(c.comm);
     c.comm = nullptr;
     throw Error("chorus::dist::nccl: ncclCommInitRankConfig on " + c.who() + " failed: " + text);
@@ -292,16 +358,16 @@ ncclComm_t join(Communicator::Impl& c, const ncclUniqueId& id, const std::functi
       c.comm = nullptr;
       const std::string who_missing = missing ? missing() : std::string();
       throw TimeoutError("chorus::dist::nccl: setting up the communicator on " + c.who() + " did not complete within " +
-                         ms_text(c.timeout) +
-                         (who_missing.empty() ? std::string(": a peer did not join")
-                                              : ": " + who_missing + " did not join") +
+                         ms_text(c.timeout) + ": " + (who_missing.empty() ? std::string("a peer did not join") : who_missing) +
                          "; every rank must create the communicator (init_process_group(\"nccl\")) with its own GPU");
     }
     back_off(round);
-    ncclCommGetAsyncError(c.comm, &rc);
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t got = ncclCommGetAsyncError(c.comm, &state);
+    rc = got != ncclSuccess ? got : state;
   }
   if (rc != ncclSuccess) {
-    const std::string text = c.nccl_error(rc);
+    const std::string text = Communicator::Impl::nccl_error(rc);
     ncclCommAbort(c.comm);
     c.comm = nullptr;
     std::string fix = "; NCCL needs one GPU per rank: give each rank its own device (CommunicatorOptions::device, "
@@ -370,7 +436,7 @@ std::shared_ptr<Communicator> Communicator::create(ProcessGroup& group, Communic
   if (impl->rank == 0) {
     ncclUniqueId id;
     ncclResult_t rc = ncclGetUniqueId(&id);
-    mine = rc == ncclSuccess ? id_bytes(id) : kFailed + impl->nccl_error(rc);
+    mine = rc == ncclSuccess ? id_bytes(id) : kFailed + Impl::nccl_error(rc);
   }
   auto shared = group.broadcast_object(mine, 0);
   shared->wait();
@@ -399,7 +465,7 @@ std::shared_ptr<Communicator> Communicator::create(Store& store, const std::stri
   if (rank == 0) {
     ncclUniqueId id;
     ncclResult_t rc = ncclGetUniqueId(&id);
-    if (rc != ncclSuccess) throw Error("chorus::dist::nccl: ncclGetUniqueId on rank 0 failed: " + impl->nccl_error(rc));
+    if (rc != ncclSuccess) throw Error("chorus::dist::nccl: ncclGetUniqueId on rank 0 failed: " + Impl::nccl_error(rc));
     store.set(id_key, id_bytes(id));
   }
   try {
@@ -420,10 +486,10 @@ std::shared_ptr<Communicator> Communicator::create(Store& store, const std::stri
         return std::string();
       }
     }
-    if (absent.empty()) return std::string("a peer that joined then stopped");
+    if (absent.empty()) return std::string("every rank joined, but one stopped answering");
     std::string text = absent.size() == 1 ? "rank " : "ranks ";
     for (size_t i = 0; i < absent.size(); ++i) text += (i ? ", " : "") + std::to_string(absent[i]);
-    return text;
+    return text + " did not join";
   };
   join(*impl, id, missing);
   return std::shared_ptr<Communicator>(new Communicator(std::move(impl)));
@@ -441,22 +507,33 @@ namespace {
 // returns its Work (waited on here unless async_op).
 WorkPtr issue(Communicator::Impl& c, const std::shared_ptr<Communicator::Impl>& owner, const std::string& name,
               std::vector<at::Tensor> keep, bool async_op, const std::function<ncclResult_t(cudaStream_t)>& enqueue) {
-  cudaEvent_t start = nullptr;
-  cudaEvent_t done = nullptr;
-  WorkPtr work;
+  std::shared_ptr<NcclWork> work;
   {
     std::lock_guard<std::recursive_mutex> lock(c.mu);
     const std::string op = name + " #" + std::to_string(++c.sequence);
     c.throw_if_broken(op);
     if (c.comm == nullptr) throw PeerError("chorus::dist::nccl: " + op + " on " + c.who() + ": the communicator is gone");
-    check_cuda(cudaSetDevice(c.device), "chorus::dist::nccl: cudaSetDevice");
-    cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(c.device)).stream();
-    check_cuda(cudaEventCreate(&start), "chorus::dist::nccl: cudaEventCreate");
-    check_cuda(cudaEventCreate(&done), "chorus::dist::nccl: cudaEventCreate");
-    work = std::make_shared<NcclWork>(owner, op, start, done, std::move(keep));
-    check_cuda(cudaEventRecord(start, stream), "chorus::dist::nccl: cudaEventRecord");
-    c.settle(enqueue(stream), op, Clock::now() + c.timeout);
-    check_cuda(cudaEventRecord(done, stream), "chorus::dist::nccl: cudaEventRecord");
+    c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(c.device));  // the caller's device comes back
+    const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(c.device));
+    const cudaStream_t stream = current.stream();
+    auto pending = std::make_shared<Pending>();
+    check_cuda(cudaEventCreate(&pending->start), "chorus::dist::nccl: cudaEventCreate");
+    check_cuda(cudaEventCreate(&pending->done), "chorus::dist::nccl: cudaEventCreate");
+    // A tensor made on another stream must not be reused by the caching allocator while NCCL
+    // still reads or writes it on this one, also when the Work is dropped without a wait.
+    for (const auto& t : keep) c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), current);
+    work = std::make_shared<NcclWork>(owner, op, pending, std::move(keep));
+    check_cuda(cudaEventRecord(pending->start, stream), "chorus::dist::nccl: cudaEventRecord");
+    pending->issued = Clock::now();
+    c.settle(enqueue(stream), op, pending->issued + c.timeout, c.timeout);
+    check_cuda(cudaEventRecord(pending->done, stream), "chorus::dist::nccl: cudaEventRecord");
+    // Forget the operations seen complete; keep this one until it is.
+    std::vector<std::shared_ptr<Pending>> still;
+    for (auto& p : c.pending) {
+      if (!p->fired()) still.push_back(std::move(p));
+    }
+    still.push_back(std::move(pending));
+    c.pending.swap(still);
   }
   if (!async_op) work->wait();
   return work;

@@ -73,8 +73,9 @@ DataType to_data_type(c10::ScalarType type);
 
 using WorkPtr = std::shared_ptr<Work>;
 
-// A Work that completes with `inner`, then runs `finish` once, in the first thread that waits
-// (e.g. copying a result out of a staging tensor), and keeps `keep` alive until then.
+// A Work that completes with `inner`, then runs `finish` once, in the first thread that waits or
+// finds it complete with is_completed() (e.g. copying a result out of a staging tensor), and keeps
+// `keep` alive until then. is_completed() is true only once `finish` has run.
 WorkPtr then(WorkPtr inner, std::function<void()> finish, std::vector<at::Tensor> keep = {});
 
 WorkPtr all_reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::kSum, ProcessGroup* group = nullptr,

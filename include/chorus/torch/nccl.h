@@ -18,16 +18,22 @@
 //   half-made communicator is aborted (ncclCommAbort), so nothing is left waiting.
 // - Operations are queued on the calling thread's current CUDA stream of the communicator's device,
 //   in call order; every rank must call the same operations in the same order (NCCL's rule). The
-//   returned Work completes when the GPU has finished the operation. wait() (or the call itself,
-//   without async_op) blocks the host until then while polling NCCL for asynchronous errors (a
-//   peer that died, a network failure), with the deadline; a timeout or an error aborts the
-//   communicator and throws (TimeoutError / PeerError), so a dead peer is an error, not a hang.
-//   Unlike torch.distributed's nccl backend, which returns once the operation is queued, a call
-//   without async_op returns when the result is final on the device.
+//   calling thread's current device is left as it was. The returned Work completes when the GPU
+//   has finished the operation. wait() (or the call itself, without async_op) blocks the host
+//   until then while polling NCCL for asynchronous errors (a peer that died, a network failure).
+//   An error, or `timeout` passing since the operation was issued, aborts the communicator and
+//   throws (PeerError / TimeoutError), so a dead peer is an error, not a hang. wait(limit) with a
+//   shorter limit only ends that wait (TimeoutError); the operation goes on. Unlike
+//   torch.distributed's nccl backend, which returns once the operation is queued, a call without
+//   async_op returns when the result is final on the device.
 // - After abort() (or an error that aborted it), every later operation throws PeerError with the
-//   first cause. Abort may be called from any thread, also while another thread waits.
-// - Thread-safe: calls are serialised internally. Destroying the communicator finalises it
-//   (pending operations complete first, with the deadline) or, once broken, aborts it.
+//   first cause, and so does waiting on an operation the abort cut short (one that had not
+//   finished when it came): its tensors hold no valid result. Abort may be called from any
+//   thread, also while another thread waits.
+// - Thread-safe: calls are serialised internally. Destroying the communicator waits for its
+//   pending operations (with the deadline), finalises it (at most 10 s: NCCL needs the peers
+//   quiescent too) and destroys it, or aborts it when any of that fails. Tensors stay valid while
+//   NCCL uses them, also when a Work is dropped unwaited (the caching allocator is told the stream).
 // Tensors must be dense, contiguous CUDA tensors on the communicator's device, with the dtypes of
 // chorus::dist (bool for broadcast and gathers only).
 #pragma once
