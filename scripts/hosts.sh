@@ -92,12 +92,14 @@ hosts_shape() {
     ip netns exec "$HOSTS_SWITCH" tc qdisc del dev "h$i" root 2>/dev/null || true
     [[ $rate == unshaped ]] && continue
     # A burst of at least one timer tick's worth of bytes (rate / 250 Hz), so the bucket does not
-    # cap the rate below RATE; 64 KiB at least.
+    # cap the rate below RATE; 64 KiB at least. HOSTS_TBF_BURST (bytes) replaces it, for
+    # measuring what the bucket's depth does.
     burst=$(/usr/bin/python3 -c 'import sys; r = sys.argv[1].lower(); m = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 u = next(k for k in m if r.endswith(k)); print(max(65536, int(float(r[:-len(u)]) * m[u] / 8 / 250)))' "$rate") || {
       HOSTS_WHY="bad rate '$rate' (use e.g. 100mbit, 1gbit, 10gbit or unshaped)"
       return 1
     }
+    [[ -n ${HOSTS_TBF_BURST:-} ]] && burst=$HOSTS_TBF_BURST
     if ! err=$({ ip netns exec "${HOST_NS[$i]}" tc qdisc add dev eth0 root tbf rate "$rate" burst "$burst" latency 50ms &&
       ip netns exec "$HOSTS_SWITCH" tc qdisc add dev "h$i" root tbf rate "$rate" burst "$burst" latency 50ms; } 2>&1); then
       HOSTS_WHY="cannot shape ${HOST_NS[$i]}'s link to $rate with tc tbf: $err"
