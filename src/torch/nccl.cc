@@ -40,23 +40,19 @@ void back_off(int round) {
   }
 }
 
-ncclDataType_t nccl_type(const at::Tensor& t, const char* op) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return ncclFloat32;
-    case at::kDouble: return ncclFloat64;
-    case at::kHalf: return ncclFloat16;
-    case at::kBFloat16: return ncclBfloat16;
-    case at::kChar: return ncclInt8;
-    case at::kByte: return ncclUint8;
-    case at::kBool: return ncclUint8;
-    case at::kInt: return ncclInt32;
-    case at::kLong: return ncclInt64;
-    default: break;
+// chorus::dist's dtype mapping (its UsageError for the others), in NCCL's terms.
+ncclDataType_t nccl_type(const at::Tensor& t) {
+  switch (to_data_type(t.scalar_type())) {
+    case DataType::kFloat32: return ncclFloat32;
+    case DataType::kFloat64: return ncclFloat64;
+    case DataType::kFloat16: return ncclFloat16;
+    case DataType::kBFloat16: return ncclBfloat16;
+    case DataType::kInt8: return ncclInt8;
+    case DataType::kUInt8: return ncclUint8;
+    case DataType::kInt32: return ncclInt32;
+    case DataType::kInt64: return ncclInt64;
   }
-  std::ostringstream out;
-  out << "chorus::dist::nccl::" << op << ": dtype " << t.scalar_type()
-      << " is not supported; use float32, float64, float16, bfloat16, int8, uint8, int32, int64 or bool";
-  throw UsageError(out.str());
+  throw UsageError("chorus::dist::nccl: a dtype NCCL has no counterpart for");
 }
 
 ncclRedOp_t nccl_op(ReduceOp op, const at::Tensor& t, const char* name) {
@@ -505,8 +501,10 @@ namespace {
 
 // Queues `enqueue` on the current stream of the communicator's device, brackets it with events, and
 // returns its Work (waited on here unless async_op).
-WorkPtr issue(Communicator::Impl& c, const std::shared_ptr<Communicator::Impl>& owner, const std::string& name,
-              std::vector<at::Tensor> keep, bool async_op, const std::function<ncclResult_t(cudaStream_t)>& enqueue) {
+// The Work keeps `owner` alive (not the communicator: the Communicator's destructor ends that).
+WorkPtr issue(const std::shared_ptr<Communicator::Impl>& owner, const std::string& name, std::vector<at::Tensor> keep,
+              bool async_op, const std::function<ncclResult_t(cudaStream_t)>& enqueue) {
+  Communicator::Impl& c = *owner;
   std::shared_ptr<NcclWork> work;
   {
     std::lock_guard<std::recursive_mutex> lock(c.mu);
@@ -541,15 +539,13 @@ WorkPtr issue(Communicator::Impl& c, const std::shared_ptr<Communicator::Impl>& 
 
 }  // namespace
 
-// A Work keeps the Impl alive (not the communicator: the Communicator's destructor ends that).
-#define CHORUS_NCCL_OWNER impl_
 
 WorkPtr Communicator::all_reduce(const at::Tensor& t, ReduceOp op, bool async_op) {
   check_tensor(*impl_, t, "all_reduce");
-  const ncclDataType_t type = nccl_type(t, "all_reduce");
+  const ncclDataType_t type = nccl_type(t);
   const ncclRedOp_t rop = nccl_op(op, t, "all_reduce");
   Impl& c = *impl_;
-  return issue(c, CHORUS_NCCL_OWNER, "all_reduce", {t}, async_op, [&](cudaStream_t s) {
+  return issue(impl_, "all_reduce", {t}, async_op, [&](cudaStream_t s) {
     return ncclAllReduce(t.data_ptr(), t.data_ptr(), static_cast<size_t>(t.numel()), type, rop, c.comm, s);
   });
 }
@@ -557,9 +553,9 @@ WorkPtr Communicator::all_reduce(const at::Tensor& t, ReduceOp op, bool async_op
 WorkPtr Communicator::broadcast(const at::Tensor& t, int root, bool async_op) {
   check_tensor(*impl_, t, "broadcast");
   if (root < 0 || root >= impl_->size) throw UsageError("chorus::dist::nccl::broadcast: root " + std::to_string(root) + " is out of range");
-  const ncclDataType_t type = nccl_type(t, "broadcast");
+  const ncclDataType_t type = nccl_type(t);
   Impl& c = *impl_;
-  return issue(c, CHORUS_NCCL_OWNER, "broadcast", {t}, async_op, [&](cudaStream_t s) {
+  return issue(impl_, "broadcast", {t}, async_op, [&](cudaStream_t s) {
     return ncclBroadcast(t.data_ptr(), t.data_ptr(), static_cast<size_t>(t.numel()), type, root, c.comm, s);
   });
 }
@@ -567,12 +563,12 @@ WorkPtr Communicator::broadcast(const at::Tensor& t, int root, bool async_op) {
 WorkPtr Communicator::reduce(const at::Tensor& t, int root, ReduceOp op, bool async_op) {
   check_tensor(*impl_, t, "reduce");
   if (root < 0 || root >= impl_->size) throw UsageError("chorus::dist::nccl::reduce: root " + std::to_string(root) + " is out of range");
-  const ncclDataType_t type = nccl_type(t, "reduce");
+  const ncclDataType_t type = nccl_type(t);
   const ncclRedOp_t rop = nccl_op(op, t, "reduce");
   Impl& c = *impl_;
   // NCCL writes recvbuff on root only; in place, the other ranks' tensors are left as they were
   // (NCCL reads sendbuff there and does not write it).
-  return issue(c, CHORUS_NCCL_OWNER, "reduce", {t}, async_op, [&](cudaStream_t s) {
+  return issue(impl_, "reduce", {t}, async_op, [&](cudaStream_t s) {
     return ncclReduce(t.data_ptr(), t.data_ptr(), static_cast<size_t>(t.numel()), type, rop, root, c.comm, s);
   });
 }
@@ -584,9 +580,9 @@ WorkPtr Communicator::all_gather_into_tensor(const at::Tensor& output, const at:
     throw UsageError("chorus::dist::nccl::all_gather_into_tensor: output must have world_size x input's elements (" +
                      std::to_string(input.numel() * impl_->size) + ") and input's dtype");
   }
-  const ncclDataType_t type = nccl_type(input, "all_gather_into_tensor");
+  const ncclDataType_t type = nccl_type(input);
   Impl& c = *impl_;
-  return issue(c, CHORUS_NCCL_OWNER, "all_gather_into_tensor", {output, input}, async_op, [&](cudaStream_t s) {
+  return issue(impl_, "all_gather_into_tensor", {output, input}, async_op, [&](cudaStream_t s) {
     return ncclAllGather(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()), type, c.comm, s);
   });
 }
@@ -599,15 +595,13 @@ WorkPtr Communicator::reduce_scatter_tensor(const at::Tensor& output, const at::
     throw UsageError("chorus::dist::nccl::reduce_scatter_tensor: input must have world_size x output's elements (" +
                      std::to_string(output.numel() * impl_->size) + ") and output's dtype");
   }
-  const ncclDataType_t type = nccl_type(input, "reduce_scatter_tensor");
+  const ncclDataType_t type = nccl_type(input);
   const ncclRedOp_t rop = nccl_op(op, input, "reduce_scatter_tensor");
   Impl& c = *impl_;
-  return issue(c, CHORUS_NCCL_OWNER, "reduce_scatter_tensor", {output, input}, async_op, [&](cudaStream_t s) {
+  return issue(impl_, "reduce_scatter_tensor", {output, input}, async_op, [&](cudaStream_t s) {
     return ncclReduceScatter(input.data_ptr(), output.data_ptr(), static_cast<size_t>(output.numel()), type, rop,
                              c.comm, s);
   });
 }
-
-#undef CHORUS_NCCL_OWNER
 
 }  // namespace chorus::dist::nccl
