@@ -12,7 +12,8 @@ FUZZ_SECONDS ?= 60
 FUZZ_TARGETS ?= store_request handshake message_header init_url cluster_env objects idx idx_example image s3_xml csv \
                 checkpoint pickle pickle_opcodes
 
-.PHONY: all deps configure build run test stress bench clean fuzz fuzz-build fuzz-ci sanitize ci-sanitize python-suite
+.PHONY: all deps configure build run test stress bench clean fuzz fuzz-build fuzz-ci sanitize ci-sanitize ci-sanitize-build \
+        ci-sanitize-run python-suite
 
 all: build
 
@@ -86,14 +87,20 @@ space := $(empty) $(empty)
 SANITIZER_ENV = UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   TSAN_OPTIONS="halt_on_error=1 suppressions=$(CURDIR)/tests/sanitizers/tsan.supp"
 ci-sanitize: deps
+	$(MAKE) ci-sanitize-build
+	$(MAKE) ci-sanitize-run
+# The two builds alone (no deps: .ci/run runs this at nice 19 while make test's suite runs, in the
+# CPU time the suite leaves idle), then their tests and the fuzz runs.
+ci-sanitize-build:
 	CC=clang CXX=clang++ cmake -S . -B $(CI_ASAN_DIR) -G Ninja -DCMAKE_BUILD_TYPE=Release -DCHORUS_WITH_TORCH=OFF \
 	  -DCHORUS_BUILD_FUZZERS=ON -DCHORUS_BUILD_BENCHMARKS=OFF -DCHORUS_BUILD_EXAMPLES=OFF -DCHORUS_INSTALL=OFF
 	cmake --build $(CI_ASAN_DIR) --target $(CI_ASAN_TESTS) $(addprefix fuzz_,$(CI_FUZZ_TARGETS))
-	cd $(CI_ASAN_DIR) && $(SANITIZER_ENV) ctest --output-on-failure --timeout 600 -R '^($(subst $(space),|,$(CI_ASAN_TESTS)))$$'
-	FUZZ_SECONDS=$(FUZZ_CI_SECONDS) scripts/run-fuzzers $(CI_ASAN_DIR) $(CI_FUZZ_TARGETS)
 	cmake -S . -B $(CI_TSAN_DIR) -G Ninja -DCMAKE_BUILD_TYPE=Release -DCHORUS_WITH_TORCH=OFF -DCHORUS_SANITIZE=thread \
 	  -DCHORUS_BUILD_BENCHMARKS=OFF -DCHORUS_BUILD_EXAMPLES=OFF -DCHORUS_INSTALL=OFF
 	cmake --build $(CI_TSAN_DIR) --target $(CI_TSAN_TESTS)
+ci-sanitize-run:
+	cd $(CI_ASAN_DIR) && $(SANITIZER_ENV) ctest --output-on-failure --timeout 600 -R '^($(subst $(space),|,$(CI_ASAN_TESTS)))$$'
+	FUZZ_SECONDS=$(FUZZ_CI_SECONDS) scripts/run-fuzzers $(CI_ASAN_DIR) $(CI_FUZZ_TARGETS)
 	cd $(CI_TSAN_DIR) && $(SANITIZER_ENV) ctest --output-on-failure --timeout 600 -R '^($(subst $(space),|,$(CI_TSAN_TESTS)))$$'
 
 # The parts without libtorch (comm, launch, report, the S3 client, images, the chorus tool) and
