@@ -1,13 +1,14 @@
 #!/usr/bin/python3
 """bench/multihost at its smallest: two namespace hosts on a 100 Mbit/s link (tc tbf), chorus's
 allreduce at 256 KiB and 1 MiB. The run must finish with correct results, write its files and
-table (with the setup's time and descriptors), and at 1 MiB reach 60-110% of the link rate (less: the shaping or the benchmark is broken;
+table (with the setup's time and descriptors) and the run's network counters, and at 1 MiB reach 60-110% of the link rate (less: the shaping or the benchmark is broken;
 more: the link was not shaped). Exit 77 (skipped) where namespaces cannot be made.
 
     multihost_test.py BIN_DIR
 """
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -42,6 +43,11 @@ def main():
         share = records.get(1 << 20, {}).get("busbw_gbps", 0) / link
         if not 0.6 <= share <= 1.1:
             problems.append("1 MiB busbw %.0f%% of the 100 Mbit/s link, expected 60-110%%" % (100 * share))
+        # Each run is followed by what it cost the network: TCP retransmissions in the hosts and tc's
+        # drops, non-negative counts (a shaped 1 MiB allreduce between two hosts drops nothing).
+        counts = re.findall(r"TCP segments retransmitted: (-?\d+); packets dropped by tc: (-?\d+)", p.stderr)
+        if not counts or any(int(r) < 0 or int(d) < 0 for r, d in counts):
+            problems.append("no network counters after the run, or negative ones: %s" % counts)
         if "| 2 | 100mbit | allreduce | 1 MiB |" not in open(os.path.join(out, "summary.md")).read():
             problems.append("summary.md lacks the 1 MiB row")
         for problem in problems:

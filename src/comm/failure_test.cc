@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <set>
 #include <thread>
 #include <vector>
@@ -350,13 +351,15 @@ TEST_P(Failure, PeerWithWrongTokenOrWorldSizeIsRefused) {
 // Ranks told different links disagree about which exchange steps start with a ready handshake
 // (plan::exchange_needs_ready): each gets a message it did not expect, and both fail at once with
 // an error that names the options to align, not after the timeout.
-TEST(TcpMismatch, RanksToldDifferentLinksFailWithAMismatchNamingTheOptions) {
+// Two ranks over TCP run one Rabenseifner allreduce of 1000 floats after `tell(rank, options)`;
+// both must fail at once with a MismatchError that names `setting`.
+static void expect_link_mismatch(const std::function<void(int, ProcessGroupOptions&)>& tell, const std::string& setting) {
   auto reports = testing::run_ranks_independent(2, [&](int rank, int w) -> std::string {
     ProcessGroupOptions o;
     o.timeout = milliseconds(20000);
     o.transport = "tcp";
     o.allreduce_algorithm = "rabenseifner";
-    if (rank == 0) o.link_gbit_per_s = 0.0005;  // every block from 30 bytes takes a handshake
+    tell(rank, o);
     auto pg = connect_process_group("env://", rank, w, o);
     std::vector<float> v(1000, 1.0f);
     return outcome([&] { pg->allreduce(v.data(), v.size(), DataType::kFloat32)->wait(); });
@@ -365,8 +368,62 @@ TEST(TcpMismatch, RanksToldDifferentLinksFailWithAMismatchNamingTheOptions) {
     SCOPED_TRACE(r.text);
     EXPECT_EQ(r.text.rfind("MismatchError", 0), 0u);
     EXPECT_LT(elapsed_of(r.text), 10.0);
-    EXPECT_NE(r.text.find("link_gbit_per_s"), std::string::npos);
+    EXPECT_NE(r.text.find(setting), std::string::npos);
   }
+}
+
+TEST(TcpMismatch, RanksToldDifferentLinksFailWithAMismatchNamingTheOptions) {
+  expect_link_mismatch([](int rank, ProcessGroupOptions& o) {
+    if (rank == 0) o.link_gbit_per_s = 0.0005;  // every block from 30 bytes takes a handshake
+  }, "link_gbit_per_s");
+}
+
+// The link can come from the environment (how Python and `chorus run` users tell it): a rank whose
+// CHORUS_LINK_GBIT differs from the other's fails as if told through the options, and the error
+// names the variables too.
+TEST(TcpMismatch, RanksGivenDifferentCHORUS_LINK_GBITFailNamingTheVariable) {
+  expect_link_mismatch([](int rank, ProcessGroupOptions&) {
+    if (rank == 0) ::setenv("CHORUS_LINK_GBIT", "0.0005", 1);  // this rank's process alone
+  }, "CHORUS_LINK_GBIT");
+}
+
+// The same variable on every rank is a link the ranks agree on: the allreduce runs and is right.
+TEST(LinkFromEnvironment, EveryRankGivenTheSameLinkRuns) {
+  auto reports = testing::run_ranks_independent(2, [&](int rank, int w) -> std::string {
+    ::setenv("CHORUS_LINK_GBIT", "0.0005", 1);
+    ::setenv("CHORUS_LINK_LATENCY_US", "40", 1);
+    ProcessGroupOptions o;
+    o.timeout = milliseconds(20000);
+    o.transport = "tcp";
+    o.allreduce_algorithm = "rabenseifner";
+    auto pg = connect_process_group("env://", rank, w, o);
+    std::vector<float> v(1000, static_cast<float>(rank + 1));
+    const std::string r = outcome([&] { pg->allreduce(v.data(), v.size(), DataType::kFloat32)->wait(); });
+    return r == "ok" && v.front() == 3.0f && v.back() == 3.0f ? "ok" : r + " (sum " + std::to_string(v.back()) + ")";
+  });
+  for (const auto& r : reports) EXPECT_EQ(r.text, "ok");
+}
+
+// A value that is not a positive number fails before any setup, naming the variable, the value and
+// what it means; options given explicitly win over the environment.
+TEST(LinkFromEnvironment, BadValuesNameTheVariable) {
+  for (const char* bad : {"fast", "10GbE", "-1", "0", "nan", "inf", "1e999"}) {
+    ::setenv("CHORUS_LINK_GBIT", bad, 1);
+    const std::string e = outcome([&] { ProcessGroup pg(std::make_shared<HashStore>(), 0, 1, {}); });
+    EXPECT_NE(e.find(std::string("CHORUS_LINK_GBIT='") + bad + "' is not a positive number"), std::string::npos) << e;
+    EXPECT_NE(e.find("Gbit/s"), std::string::npos) << e;
+    ProcessGroupOptions given;
+    given.link_gbit_per_s = 10;
+    EXPECT_EQ(outcome([&] { ProcessGroup pg(std::make_shared<HashStore>(), 0, 1, given); }), "ok") << bad;
+  }
+  ::setenv("CHORUS_LINK_GBIT", " 25 ", 1);
+  EXPECT_EQ(outcome([&] { ProcessGroup pg(std::make_shared<HashStore>(), 0, 1, {}); }), "ok");
+  ::unsetenv("CHORUS_LINK_GBIT");
+  ::setenv("CHORUS_LINK_LATENCY_US", "soon", 1);
+  const std::string e = outcome([&] { ProcessGroup pg(std::make_shared<HashStore>(), 0, 1, {}); });
+  ::unsetenv("CHORUS_LINK_LATENCY_US");
+  EXPECT_NE(e.find("CHORUS_LINK_LATENCY_US='soon' is not a positive number"), std::string::npos) << e;
+  EXPECT_EQ(outcome([&] { ProcessGroup pg(std::make_shared<HashStore>(), 0, 1, {}); }), "ok");
 }
 
 // A bad tcp_connections, given or from CHORUS_TCP_CONNECTIONS, fails before any setup, naming the

@@ -3,6 +3,8 @@
 // operations themselves (argument checks, then a task on the queue) are process_group_ops.cc; the
 // state both share is process_group_impl.h.
 #include <algorithm>
+#include <cerrno>
+#include <cmath>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -351,6 +353,23 @@ bool lazy_connections(const ProcessGroupOptions& options, int size) {
                    (from_env ? " in CHORUS_TCP_CONNECTIONS" : "") + "; available: auto, eager, lazy");
 }
 
+// CHORUS_LINK_LATENCY_US or CHORUS_LINK_GBIT, the link "auto" plans for when the options leave it
+// at 0: 0 when unset or empty, else a finite number above 0 (anything else is a UsageError naming
+// the variable, the value and what it means).
+double link_figure_from_env(const char* name, const char* meaning) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return 0;
+  char* end = nullptr;
+  errno = 0;
+  const double v = std::strtod(env, &end);
+  while (end != nullptr && (*end == ' ' || *end == '\t')) ++end;
+  if (end == env || *end != '\0' || errno != 0 || !std::isfinite(v) || v <= 0) {
+    throw UsageError(std::string("chorus: ") + name + "='" + printable(env) + "' is not a positive number; it is " +
+                     meaning + " (unset it for chorus's measured default; docs/algorithms.md, \"Telling the plan the link\")");
+  }
+  return v;
+}
+
 // CHORUS_HYBRID_ALLREDUCE (auto, hierarchical, flat): how the hybrid transport's allreduce crosses
 // hosts; for benchmarks and tests.
 plan::Hierarchy hierarchy_from_env() {
@@ -441,7 +460,13 @@ algo::Tuning detail::tuning_for(const ProcessGroupOptions& options, TransportKin
   if (options.link_latency_us < 0 || options.link_gbit_per_s < 0) {
     throw UsageError("chorus: link_latency_us and link_gbit_per_s must be 0 (measured default) or positive");
   }
-  t.link = plan::default_link_model(kind, options.link_latency_us, options.link_gbit_per_s);
+  const double latency_us = options.link_latency_us > 0
+                                ? options.link_latency_us
+                                : link_figure_from_env("CHORUS_LINK_LATENCY_US", "one message's latency in microseconds, e.g. 20");
+  const double gbit_per_s = options.link_gbit_per_s > 0
+                                ? options.link_gbit_per_s
+                                : link_figure_from_env("CHORUS_LINK_GBIT", "the link's bandwidth in Gbit/s, e.g. 10 for 10 GbE");
+  t.link = plan::default_link_model(kind, latency_us, gbit_per_s);
   return t;
 }
 

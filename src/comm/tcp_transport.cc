@@ -289,7 +289,8 @@ bool TcpTransport::pump_recvs(Conn& c) {
                             " bytes where this rank expected " + std::to_string(r.n) +
                             "; the ranks disagree about per-rank sizes, or about the options that shape an "
                             "algorithm's messages (allreduce_algorithm, segment_bytes, link_latency_us, "
-                            "link_gbit_per_s): give every rank the same");
+                            "link_gbit_per_s, or CHORUS_ALLREDUCE_ALGORITHM, CHORUS_LINK_LATENCY_US, "
+                            "CHORUS_LINK_GBIT in a rank's environment): give every rank the same");
       }
       c.in_begin += sizeof(wire::Header);
       r.have_header = true;

@@ -66,6 +66,7 @@ Stats stats(std::vector<double> t) {
 // One benchmark case on this rank: buffers, fill, run, verify.
 class Case {
  public:
+  void barrier() { pg_.barrier()->wait(); }
   Case(ProcessGroup& pg, const std::string& op, size_t bytes)
       : pg_(pg), op_(op), n_(static_cast<size_t>(pg.size())), r_(static_cast<size_t>(pg.rank())) {
     // Sizes follow nccl-tests: the whole buffer for allreduce/broadcast/reduce; the gathered or
@@ -182,7 +183,13 @@ std::vector<double> time_runs(const BenchArgs& a, Case& c, int64_t iters, bool* 
   times.reserve(static_cast<size_t>(iters));
   *correct = true;
   for (int64_t i = 0; i < iters; ++i) {
-    if (a.check) c.fill();  // outside the timed region
+    if (a.check) {
+      // Outside the timed region. Filling and verifying take each rank its own time (8 ranks on 2
+      // cores: tens of ms at 64 MiB), so the ranks start the next call together, from a barrier,
+      // as the gloo and Open MPI scripts beside it do; else a rank's time includes a late peer's fill.
+      c.fill();
+      c.barrier();
+    }
     auto t0 = Clock::now();
     c.run();
     times.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());

@@ -5,6 +5,10 @@
   seconds (far inside the 60 s timeout), naming the dead rank.
 - A rank that never joins an all_reduce: the others raise RuntimeError once the timeout given to
   init_process_group (3 s) has passed, naming the rank they waited for.
+- The link told through the environment (docs/algorithms.md, "Telling the plan the link"): a
+  CHORUS_LINK_GBIT that is not a number makes init_process_group raise RuntimeError naming it; one
+  rank told a different link than the others makes the all_reduce raise on every rank, within
+  seconds, naming CHORUS_LINK_GBIT.
 Prints "OK: ..." and exits 0, or one line per problem and exits 1.
 """
 import datetime
@@ -53,6 +57,32 @@ def missing_peer(rank, world, store, queue):
         queue.put((rank, (time.time() - t0, str(e))))
 
 
+def bad_link(rank, world, store, queue):
+    os.environ["CHORUS_LINK_GBIT"] = "10GbE"
+    t0 = time.time()
+    try:
+        dist.init_process_group("chorus", init_method="file://" + store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=30))
+        queue.put((rank, "no error"))
+    except RuntimeError as e:
+        queue.put((rank, (time.time() - t0, str(e))))
+
+
+def different_links(rank, world, store, queue):
+    os.environ["CHORUS_TRANSPORT"] = "tcp"  # the link is TCP's; shared memory has its own
+    os.environ["CHORUS_ALLREDUCE_ALGORITHM"] = "rabenseifner"
+    if rank == 0:
+        os.environ["CHORUS_LINK_GBIT"] = "0.0005"  # every block from 30 bytes takes a handshake
+    dist.init_process_group("chorus", init_method="file://" + store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    t0 = time.time()
+    try:
+        dist.all_reduce(torch.ones(1000))
+        queue.put((rank, "no error"))
+    except RuntimeError as e:
+        queue.put((rank, (time.time() - t0, str(e))))
+
+
 def run(fn, world, expect):
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
@@ -91,12 +121,21 @@ def main():
         elif not 2.5 < r[0] < 12 or "rank 1" not in r[1]:
             problems.append("missing peer: rank %d raised after %.1f s: %s" % (rank, r[0], r[1]))
     wait_times = [got[r][0] for r in (0, 2) if isinstance(got.get(r), tuple)]
+    for name, fn, needle in [("bad link", bad_link, "CHORUS_LINK_GBIT='10GbE' is not a positive number"),
+                             ("different links", different_links, "CHORUS_LINK_GBIT")]:
+        got_link = run(fn, 2, 2)
+        for rank in range(2):
+            r = got_link.get(rank)
+            if not isinstance(r, tuple):
+                problems.append("%s: rank %d: %r" % (name, rank, r))
+            elif r[0] > 10 or needle not in r[1]:
+                problems.append("%s: rank %d raised after %.1f s without %r: %s" % (name, rank, r[0], needle, r[1]))
     for line in problems:
         print(line)
     if not problems:
         print("example messages:\n  " + got[0][1].splitlines()[0][:300])
     print("%s: a SIGKILLed rank raised RuntimeError on the others after %s s; a missing rank after %s s "
-          "(timeout 3 s)" % ("FAILED" if problems else "OK", ", ".join("%.2f" % t for t in kill_times),
+          "(timeout 3 s); a bad or disagreeing CHORUS_LINK_GBIT raised naming it" % ("FAILED" if problems else "OK", ", ".join("%.2f" % t for t in kill_times),
                              ", ".join("%.2f" % t for t in wait_times)))
     return 1 if problems else 0
 

@@ -58,7 +58,8 @@ struct ProcessGroupOptions {
   // CHORUS_ALLREDUCE_ALGORITHM in the environment replaces "auto".
   std::string allreduce_algorithm = "auto";
   // The link "auto" plans for: one message's latency and its bandwidth (e.g. 10 for 10 GbE);
-  // 0 = what chorus measured on loopback TCP (plan::default_link_model). It also sets which
+  // 0 = CHORUS_LINK_LATENCY_US / CHORUS_LINK_GBIT from the environment where set, else what chorus
+  // measured on loopback TCP (plan::default_link_model). It also sets which
   // recursive-doubling and Rabenseifner steps wait for the partner's ready word (blocks of 32
   // latencies and more: docs/algorithms.md), so every rank of a group must be given the same link.
   double link_latency_us = 0;
