@@ -54,6 +54,22 @@ class Model(unittest.TestCase):
         self.assertEqual(rows[1024][2], "38")
         self.assertEqual(rows[8][2], "10")
 
+    def test_plan_check_compares_each_pick_with_the_fastest_forced_algorithm(self):
+        rec = lambda system, us: {"hosts": 8, "rate": "1gbit", "system": system, "op": "allreduce",  # noqa: E731
+                                  "bytes": 4 << 20, "p50_us": us, "busbw_gbps": None, "algorithm": None}
+        data = [rec("chorus-ring", 100.0), rec("chorus-recursive_doubling", 200.0), rec("chorus-rabenseifner", 110.0),
+                rec("chorus-tcp", 130.0), rec("chorus-link", 105.0)]
+        rows, hits = sm.plan_check(data, (10.0, 0.0, 1e-4))
+        self.assertEqual(len(rows), 1)
+        row = rows[0]
+        self.assertEqual(row[3], "ring")  # the fastest forced
+        self.assertEqual(row[8], "1.30")  # chorus-tcp over the fastest
+        self.assertEqual(row[9], "1.05")  # chorus-link over the fastest
+        self.assertAlmostEqual(float(row[5]), {"ring": 1.0, "Rabenseifner": 1.1, "recursive doubling": 2.0}[row[4]])
+        self.assertEqual(hits, 1 if float(row[5]) <= 1.05 else 0)
+        data.pop()  # no chorus-link run: the column says so
+        self.assertEqual(sm.plan_check(data, (10.0, 0.0, 1e-4))[0][0][9], "-")
+
     def test_last_bucket_share(self):
         mb = 2 ** 20
         self.assertAlmostEqual(sm.last_bucket_share(27 * mb), 1 / 27)  # 1 + 25 + 1
