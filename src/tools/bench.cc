@@ -66,7 +66,6 @@ Stats stats(std::vector<double> t) {
 // One benchmark case on this rank: buffers, fill, run, verify.
 class Case {
  public:
-  void barrier() { pg_.barrier()->wait(); }
   Case(ProcessGroup& pg, const std::string& op, size_t bytes)
       : pg_(pg), op_(op), n_(static_cast<size_t>(pg.size())), r_(static_cast<size_t>(pg.rank())) {
     // Sizes follow nccl-tests: the whole buffer for allreduce/broadcast/reduce; the gathered or
@@ -101,6 +100,9 @@ class Case {
     else if (op_ == "reduce_scatter") pg_.reduce_scatter(in_.data(), out_.data(), count_, DataType::kFloat32)->wait();
     else if (op_ == "alltoall") pg_.alltoall(in_.data(), out_.data(), count_, DataType::kFloat32)->wait();
   }
+
+  // All ranks of the case's group, before a timed call.
+  void barrier() { pg_.barrier()->wait(); }
 
   // Checks the result of one run() on freshly filled buffers, then refills them.
   bool verify() {
@@ -186,7 +188,7 @@ std::vector<double> time_runs(const BenchArgs& a, Case& c, int64_t iters, bool* 
     if (a.check) {
       // Outside the timed region. Filling and verifying take each rank its own time (8 ranks on 2
       // cores: tens of ms at 64 MiB), so the ranks start the next call together, from a barrier,
-      // as the gloo and Open MPI scripts beside it do; else a rank's time includes a late peer's fill.
+      // as bench/multihost_gloo.py does; else a rank's time includes a late peer's fill.
       c.fill();
       c.barrier();
     }
