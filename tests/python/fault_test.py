@@ -17,13 +17,22 @@ import signal
 import sys
 import tempfile
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import chorus  # noqa: F401
+
+
+def report_error(rank, queue, op):
+    """Runs op; queues (rank, (seconds, message)) for the RuntimeError it raised, or "no error"."""
+    t0 = time.time()
+    try:
+        op()
+        queue.put((rank, "no error"))
+    except RuntimeError as e:
+        queue.put((rank, (time.time() - t0, str(e))))
 
 
 def killed_peer(rank, world, store, queue):
@@ -33,13 +42,11 @@ def killed_peer(rank, world, store, queue):
     dist.all_reduce(t)  # everyone is connected
     if rank == world - 1:
         os.kill(os.getpid(), signal.SIGKILL)
-    t0 = time.time()
-    try:
+
+    def keep_reducing():
         for _ in range(100000):
             dist.all_reduce(t)
-        queue.put((rank, "no error"))
-    except RuntimeError as e:
-        queue.put((rank, (time.time() - t0, str(e))))
+    report_error(rank, queue, keep_reducing)
 
 
 def missing_peer(rank, world, store, queue):
@@ -49,23 +56,13 @@ def missing_peer(rank, world, store, queue):
         time.sleep(5)  # never calls the collective
         queue.put((rank, "slept"))
         return
-    t0 = time.time()
-    try:
-        dist.all_reduce(torch.ones(10))
-        queue.put((rank, "no error"))
-    except RuntimeError as e:
-        queue.put((rank, (time.time() - t0, str(e))))
+    report_error(rank, queue, lambda: dist.all_reduce(torch.ones(10)))
 
 
 def bad_link(rank, world, store, queue):
     os.environ["CHORUS_LINK_GBIT"] = "10GbE"
-    t0 = time.time()
-    try:
-        dist.init_process_group("chorus", init_method="file://" + store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=30))
-        queue.put((rank, "no error"))
-    except RuntimeError as e:
-        queue.put((rank, (time.time() - t0, str(e))))
+    report_error(rank, queue, lambda: dist.init_process_group(
+        "chorus", init_method="file://" + store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30)))
 
 
 def different_links(rank, world, store, queue):
@@ -75,12 +72,7 @@ def different_links(rank, world, store, queue):
         os.environ["CHORUS_LINK_GBIT"] = "0.0005"  # every block from 30 bytes takes a handshake
     dist.init_process_group("chorus", init_method="file://" + store, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=30))
-    t0 = time.time()
-    try:
-        dist.all_reduce(torch.ones(1000))
-        queue.put((rank, "no error"))
-    except RuntimeError as e:
-        queue.put((rank, (time.time() - t0, str(e))))
+    report_error(rank, queue, lambda: dist.all_reduce(torch.ones(1000)))
 
 
 def run(fn, world, expect):
