@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """bench/multihost at its smallest: two namespace hosts on a 100 Mbit/s link (tc tbf), chorus's
-allreduce at 256 KiB and 1 MiB. The run must finish with correct results, write its files and
-table (with the setup's time and descriptors) and the run's network counters, and at 1 MiB reach 60-110% of the link rate (less: the shaping or the benchmark is broken;
+allreduce at 256 KiB and 1 MiB, by the plan and "tuned". The runs must finish with correct results,
+write their files and table (with the setup's time and descriptors, and the algorithm "tuned" kept) and the run's network counters, and at 1 MiB reach 60-110% of the link rate (less: the shaping or the benchmark is broken;
 more: the link was not shaped). Exit 77 (skipped) where namespaces cannot be made.
 
     multihost_test.py BIN_DIR
@@ -19,7 +19,7 @@ HERE = os.path.dirname(os.path.realpath(__file__))
 def main():
     with tempfile.TemporaryDirectory(prefix="chorus-multihost-test-") as out:
         p = subprocess.run([os.path.join(HERE, "multihost"), "--hosts", "2", "--rates", "100mbit", "--sizes", "256K,1M",
-                            "--systems", "chorus-tcp", "--seconds", "0.3", "--out", out, "--bin", sys.argv[1],
+                            "--systems", "chorus-tcp,chorus-tuned", "--seconds", "0.3", "--out", out, "--bin", sys.argv[1],
                             "--timeout", "120"], capture_output=True, text=True, timeout=240)
         print(p.stdout + p.stderr)
         if p.returncode == 2 and "cannot make" in p.stderr:
@@ -48,8 +48,19 @@ def main():
         counts = re.findall(r"TCP segments retransmitted: (-?\d+); packets dropped by tc: (-?\d+)", p.stderr)
         if not counts or any(int(r) < 0 or int(d) < 0 for r, d in counts):
             problems.append("no network counters after the run, or negative ones: %s" % counts)
-        if "| 2 | 100mbit | allreduce | 1 MiB |" not in open(os.path.join(out, "summary.md")).read():
+        summary = open(os.path.join(out, "summary.md")).read()
+        if "| 2 | 100mbit | allreduce | 1 MiB |" not in summary:
             problems.append("summary.md lacks the 1 MiB row")
+        # chorus-tuned: right results, and each size's record names the algorithm its trials kept,
+        # as does the table.
+        with open(os.path.join(out, "2-100mbit-chorus-tuned-allreduce-small.json")) as f:
+            tuned = {r["bytes"]: r for r in json.load(f)}
+        algorithms = {"ring", "recursive_doubling", "rabenseifner"}
+        if sorted(tuned) != [256 << 10, 1 << 20] or not all(r["correct"] and r["tuned_choice"] in algorithms
+                                                             for r in tuned.values()):
+            problems.append("chorus-tuned: wrong results or no kept algorithm: %s" % tuned)
+        if "chorus-tuned picked" not in summary:
+            problems.append("summary.md lacks the chorus-tuned picked column")
         for problem in problems:
             print("FAIL: " + problem)
         print("busbw at 1 MiB: %.0f%% of the link" % (100 * share))

@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "chorus/comm/check.h"
+#include "measured_allreduce.h"
 #include "plan.h"
 #include "reduce.h"
 
@@ -134,7 +135,15 @@ void allreduce(Transport& t, Scratch& s, const Tuning& tune, const wire::Call& c
   if (t.size() == 1) {
     return;  // sum/min/max/prod/avg of one contribution is itself
   }
-  switch (plan::choose_allreduce(tune.allreduce, count * element_size(dtype), count, t.size(), tune.link)) {
+  if (tune.allreduce == AllreduceAlgorithm::kTuned && tune.measured) {
+    return tune.measured->run(t, s, tune, call, buf, count, dtype, op);
+  }
+  allreduce_by(tune.allreduce, t, s, tune, call, buf, count, dtype, op);
+}
+
+void allreduce_by(AllreduceAlgorithm algorithm, Transport& t, Scratch& s, const Tuning& tune, const wire::Call& call,
+                  void* buf, size_t count, DataType dtype, ReduceOp op) {
+  switch (plan::choose_allreduce(algorithm, count * element_size(dtype), count, t.size(), tune.link)) {
     case AllreduceAlgorithm::kRing: return allreduce_ring(t, s, tune, call, buf, count, dtype, op);
     case AllreduceAlgorithm::kRabenseifner: return allreduce_rabenseifner(t, s, tune, call, buf, count, dtype, op);
     default: return allreduce_recursive_doubling(t, s, tune, call, buf, count, dtype, op);

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstddef>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -16,9 +17,13 @@
 
 namespace chorus::algo {
 
+class MeasuredAllreduce;
+
 struct Tuning {
   size_t segment_bytes = 1 << 20;  // ring pipeline segment
-  AllreduceAlgorithm allreduce = AllreduceAlgorithm::kAuto;  // kAuto: plan::choose_allreduce by `link`
+  // kAuto: plan::choose_allreduce by `link`; kTuned: `measured` tries and picks (never null then).
+  AllreduceAlgorithm allreduce = AllreduceAlgorithm::kAuto;
+  std::shared_ptr<MeasuredAllreduce> measured;
   plan::BroadcastShape broadcast = plan::BroadcastShape::kAuto;  // kAuto: plan::choose_broadcast by `link`
   plan::LinkModel link = plan::default_link_model(TransportKind::kTcp);
 };
@@ -34,6 +39,10 @@ class Scratch {
 
 void allreduce(transport::Transport& t, Scratch& s, const Tuning& tune, const wire::Call& call,
                void* buf, size_t count, DataType dtype, ReduceOp op);
+// allreduce by `algorithm` (plan::choose_allreduce as forced: recursive doubling where it cannot
+// split the buffer; kAuto by the model).
+void allreduce_by(AllreduceAlgorithm algorithm, transport::Transport& t, Scratch& s, const Tuning& tune,
+                  const wire::Call& call, void* buf, size_t count, DataType dtype, ReduceOp op);
 void allreduce_recursive_doubling(transport::Transport& t, Scratch& s, const Tuning& tune, const wire::Call& call,
                                   void* buf, size_t count, DataType dtype, ReduceOp op);
 void allreduce_ring(transport::Transport& t, Scratch& s, const Tuning& tune, const wire::Call& call,

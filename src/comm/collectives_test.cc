@@ -2,8 +2,12 @@
 // store-connected transport (the checks: collectives_checks.h; over MPI: mpi_collectives_test).
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <functional>
+#include <stdexcept>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "chorus/comm/error.h"
 #include "chorus/comm/process_group.h"
@@ -92,7 +96,8 @@ TEST_P(Conformance, AllocatedBuffersAllreduceInPlace) {
 }
 
 // Every allreduce algorithm forced, at every world size 1..8 over TCP and across hosts under hybrid
-// (the rails: 3 hosts, 4 hosts), with 96-byte ring segments.
+// (the rails: 3 hosts, 4 hosts), with 96-byte ring segments; and "tuned", whose trials switch
+// algorithm from call to call within a size class (of every dtype: some too short for the ring).
 class Algorithms : public ::testing::TestWithParam<std::tuple<std::string, SuiteSetup>> {};
 
 TEST_P(Algorithms, EveryAllreduceDtypeOpAndSize) {
@@ -113,11 +118,53 @@ std::vector<SuiteSetup> algorithm_setups() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Forced, Algorithms,
-                         ::testing::Combine(::testing::Values("ring", "recursive_doubling", "rabenseifner"),
+                         ::testing::Combine(::testing::Values("ring", "recursive_doubling", "rabenseifner", "tuned"),
                                             ::testing::ValuesIn(algorithm_setups())),
                          [](const auto& info) {
                            return std::get<0>(info.param) + "_" + setup_name(std::get<1>(info.param));
                          });
+
+// "tuned": its trials give the right sums, every rank ends with the same measurements and choices
+// (ProcessGroup::tuned_allreduce), and on 64-byte buffers, where the ring's 6 latency-bound steps
+// at 4 ranks face recursive doubling's 2, the ring is tried and not kept.
+TEST(TunedAllreduce, RanksAgreeOnTheirChoicesAndALatencyBoundSizeAvoidsTheRing) {
+  EXPECT_EQ(testing::run_ranks(4, [&](int rank, int w, std::shared_ptr<Store>) {
+    auto pg = connect_process_group("env://", rank, w, test_options({"tcp", w, 1}, rank, 1 << 20, "tuned", false));
+    for (size_t count : {size_t{16}, size_t{16384}}) {  // 64 B and 64 KiB of float32
+      std::vector<float> v(count);
+      for (int call = 0; call <= kTunedAllreduceTrials; ++call) {
+        for (size_t i = 0; i < count; ++i) v[i] = static_cast<float>(rank + static_cast<int>(i % 7));
+        pg->allreduce(v.data(), count, DataType::kFloat32)->wait();
+        for (size_t i = 0; i < count; ++i) {
+          const float want = static_cast<float>(w * (w - 1) / 2 + w * static_cast<int>(i % 7));
+          if (v[i] != want) {
+            throw std::runtime_error("call " + std::to_string(call) + " of " + std::to_string(count) + ": element " +
+                                     std::to_string(i) + " is " + std::to_string(v[i]));
+          }
+        }
+      }
+    }
+    const std::vector<TunedAllreduce> tuned = pg->tuned_allreduce();
+    std::string text;
+    for (const TunedAllreduce& t : tuned) {
+      text += std::to_string(t.ranks) + " " + std::to_string(t.min_bytes) + "-" + std::to_string(t.max_bytes) + " " +
+              t.chosen + ":";
+      for (const auto& [name, us] : t.measured_us) text += " " + name + "=" + std::to_string(us);
+      text += "\n";
+    }
+    if (tuned.size() != 2 || tuned[0].min_bytes != 64 || tuned[1].min_bytes != 65536 || tuned[0].ranks != w) {
+      throw std::runtime_error("expected the 64 B and 64 KiB classes over 4 ranks, got\n" + text);
+    }
+    if (tuned[0].measured_us.size() != 3 || tuned[0].chosen == "ring") {
+      throw std::runtime_error("64 B: expected all three tried and the ring not kept, got\n" + text);
+    }
+    // The same on every rank: the text's hash, its largest and smallest over the group.
+    int64_t h[2] = {static_cast<int64_t>(std::hash<std::string>{}(text) >> 1), 0};
+    h[1] = -h[0];
+    pg->allreduce(h, 2, DataType::kInt64, ReduceOp::kMax)->wait();
+    if (h[0] != -h[1]) throw std::runtime_error("ranks disagree on what was tuned; this rank has\n" + text);
+  }, std::chrono::seconds(60)), "");
+}
 
 // Recursive doubling and Rabenseifner with a ready handshake ahead of every exchange step's block
 // (plan::exchange_needs_ready): told a link so slow (0.5 Mbit/s) that blocks from 30 bytes take one,

@@ -23,6 +23,7 @@
 #include "chorus/comm/error.h"
 #include "chorus/comm/store.h"
 #include "error_class.h"
+#include "measured_allreduce.h"
 #include "plan.h"
 #include "reduce.h"
 #include "transport.h"
@@ -84,6 +85,10 @@ class HybridTransport final : public Transport, public NativeCollectives {
     tune_.segment_bytes = std::max<size_t>(o.segment_bytes, 1);
     chunk_bytes_ = shm_chunk_bytes(o.shm);
     tune_.allreduce = o.allreduce;
+    tune_.measured = o.measured;
+    if (tune_.allreduce == AllreduceAlgorithm::kTuned && !tune_.measured) {
+      tune_.measured = std::make_shared<algo::MeasuredAllreduce>(tcp_->rank() == 0);
+    }
     tune_.link = o.link;
     hierarchy_ = o.hierarchy;
     local_link_ = plan::default_link_model(TransportKind::kShm);

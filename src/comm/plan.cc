@@ -221,6 +221,7 @@ double predict_allreduce_us(AllreduceAlgorithm algorithm, size_t bytes, int rank
       return 2 * (ranks - 1) * a + w * n * (std::max(b, g) + b);
     }
     case AllreduceAlgorithm::kAuto:
+    case AllreduceAlgorithm::kTuned:
       break;
   }
   return 0;
@@ -232,7 +233,9 @@ AllreduceAlgorithm choose_allreduce(AllreduceAlgorithm forced, size_t bytes, siz
   const bool splits_for_halving = count >= static_cast<size_t>(pow2_floor(ranks));
   if (forced == AllreduceAlgorithm::kRing && splits_for_ring) return forced;
   if (forced == AllreduceAlgorithm::kRabenseifner && splits_for_halving) return forced;
-  if (forced != AllreduceAlgorithm::kAuto) return AllreduceAlgorithm::kRecursiveDoubling;
+  if (forced != AllreduceAlgorithm::kAuto && forced != AllreduceAlgorithm::kTuned) {
+    return AllreduceAlgorithm::kRecursiveDoubling;
+  }
   AllreduceAlgorithm best = AllreduceAlgorithm::kRecursiveDoubling;
   double best_us = predict_allreduce_us(best, bytes, ranks, model);
   for (AllreduceAlgorithm a : {AllreduceAlgorithm::kRabenseifner, AllreduceAlgorithm::kRing}) {
@@ -242,6 +245,61 @@ AllreduceAlgorithm choose_allreduce(AllreduceAlgorithm forced, size_t bytes, siz
       best = a;
       best_us = us;
     }
+  }
+  return best;
+}
+
+std::vector<AllreduceAlgorithm> tuning_candidates(size_t bytes, size_t count, int ranks, const LinkModel& model) {
+  std::vector<std::pair<double, AllreduceAlgorithm>> by_time;
+  for (AllreduceAlgorithm a : {AllreduceAlgorithm::kRecursiveDoubling, AllreduceAlgorithm::kRabenseifner,
+                               AllreduceAlgorithm::kRing}) {
+    // An algorithm that cannot split this buffer would run recursive doubling in its place.
+    if (a != AllreduceAlgorithm::kRecursiveDoubling && choose_allreduce(a, bytes, count, ranks, model) != a) continue;
+    by_time.emplace_back(predict_allreduce_us(a, bytes, ranks, model), a);
+  }
+  std::stable_sort(by_time.begin(), by_time.end(),
+                   [](const auto& x, const auto& y) { return x.first < y.first; });
+  std::vector<AllreduceAlgorithm> out;
+  for (const auto& [us, a] : by_time) {
+    if (ranks > 1 && us <= kTuningSpread * by_time.front().first) out.push_back(a);
+  }
+  if (out.empty()) out.push_back(by_time.front().second);
+  return out;
+}
+
+int size_class(size_t bytes) {
+  int k = 0;
+  while (bytes != 0) {
+    bytes >>= 1;
+    ++k;
+  }
+  return k;
+}
+
+ByteRange size_class_bytes(int size_class) {
+  if (size_class <= 0) return {};
+  const size_t low = size_t{1} << (size_class - 1);
+  return {low, low + (low - 1)};
+}
+
+Trial tuning_trial(int index, int candidates) {
+  Trial t;
+  t.candidate = index % candidates;
+  t.timed = index >= candidates;  // the first round is untimed
+  return t;
+}
+
+double median_us(std::vector<double> us) {
+  if (us.empty()) return 0;
+  std::sort(us.begin(), us.end());
+  const size_t n = us.size();
+  return n % 2 == 1 ? us[n / 2] : (us[n / 2 - 1] + us[n / 2]) / 2;
+}
+
+int fastest_candidate(const std::vector<double>& agreed_us) {
+  int best = 0;
+  for (size_t i = 1; i < agreed_us.size(); ++i) {
+    if (agreed_us[i] < agreed_us[static_cast<size_t>(best)]) best = static_cast<int>(i);
   }
   return best;
 }

@@ -49,11 +49,45 @@ LinkModel default_link_model(TransportKind kind, double latency_us = 0, double g
 // the result back after (recursive doubling and Rabenseifner).
 double predict_allreduce_us(AllreduceAlgorithm algorithm, size_t bytes, int ranks, const LinkModel& model);
 
-// The algorithm one allreduce call runs: `forced` unless it is kAuto, else the one with the least
-// predicted time. Recursive doubling wherever the others cannot split the buffer: fewer elements
-// (`count`) than the ranks the buffer is cut among. Pure: every rank computes the same choice.
+// The algorithm one allreduce call runs: `forced` unless it is kAuto (or kTuned, whose trials and
+// choice algo::MeasuredAllreduce makes), else the one with the least predicted time. Recursive
+// doubling wherever the others cannot split the buffer: fewer elements (`count`) than the ranks the
+// buffer is cut among. Pure: every rank computes the same choice.
 AllreduceAlgorithm choose_allreduce(AllreduceAlgorithm forced, size_t bytes, size_t count, int ranks,
                                     const LinkModel& model);
+
+// allreduce_algorithm "tuned": the algorithm measured rather than predicted (docs/algorithms.md,
+// "Measured choice"). Calls fall into size classes, bytes in [2^(k-1), 2^k) for class k (bit
+// width); the first tuning_calls(C) calls of a class over a group run its C candidates in turn,
+// kTuningRounds rounds, the first untimed (it pays for first-use connections and TCP's slow
+// start). Then the group agrees on each candidate's time, the slowest rank's median of its timed
+// rounds, and the class runs the fastest from then on.
+constexpr int kTuningRounds = 4;
+static_assert(kTuningRounds * 3 == kTunedAllreduceTrials, "types.h promises the trials' bound");
+// Candidates: the algorithms that can split the buffer and are predicted within this factor of the
+// model's best, so that trials never run one the model is sure is far slower (recursive doubling
+// of a gigabyte over 1024 ranks); in predicted order, so a tie goes to the model's pick.
+constexpr double kTuningSpread = 4;
+std::vector<AllreduceAlgorithm> tuning_candidates(size_t bytes, size_t count, int ranks, const LinkModel& model);
+constexpr int tuning_calls(int candidates) { return candidates > 1 ? kTuningRounds * candidates : 0; }
+int size_class(size_t bytes);  // bytes' bit width: 0 for 0 bytes, k for [2^(k-1), 2^k)
+struct ByteRange {
+  size_t min_bytes = 0;
+  size_t max_bytes = 0;  // inclusive
+};
+ByteRange size_class_bytes(int size_class);
+// The trial that a class's call `index` (0-based, below tuning_calls(candidates)) runs: its
+// candidate, and whether its time counts.
+struct Trial {
+  int candidate = 0;
+  bool timed = false;
+};
+Trial tuning_trial(int index, int candidates);
+// The median of one candidate's timed rounds on one rank (0 for none).
+double median_us(std::vector<double> us);
+// The candidate to keep from the agreed times (each the slowest rank's median): the fastest, the
+// earlier on a tie.
+int fastest_candidate(const std::vector<double>& agreed_us);
 
 // An allreduce across several hosts (the hybrid transport): hierarchical (shared memory within each
 // host, then the hosts over TCP, one rail per local rank, each moving its share of the buffer, then

@@ -254,7 +254,7 @@ TEST(TransportNames, OneParserReadsEveryNameItWrites) {
 
 TEST(AllreduceNames, OneParserReadsEveryNameItWrites) {
   for (AllreduceAlgorithm a : {AllreduceAlgorithm::kAuto, AllreduceAlgorithm::kRing, AllreduceAlgorithm::kRecursiveDoubling,
-                               AllreduceAlgorithm::kRabenseifner}) {
+                               AllreduceAlgorithm::kRabenseifner, AllreduceAlgorithm::kTuned}) {
     AllreduceAlgorithm back = AllreduceAlgorithm::kAuto;
     EXPECT_TRUE(parse_allreduce_algorithm(to_string(a), &back)) << to_string(a);
     EXPECT_EQ(back, a);
@@ -354,6 +354,75 @@ TEST(ChooseAllreduce, ForcedUnlessTheBufferCannotBeSplit) {
   EXPECT_EQ(choose_allreduce(A::kRabenseifner, 32, 8, 10, m), A::kRabenseifner);  // blocks among 8
   EXPECT_EQ(choose_allreduce(A::kRecursiveDoubling, 1 << 28, 1 << 26, 8, m), A::kRecursiveDoubling);
   EXPECT_EQ(choose_allreduce(A::kAuto, 1 << 28, 7, 8, m), A::kRecursiveDoubling);  // wide elements, few
+}
+
+// "tuned": the candidates are what can run and what the model does not rule out, model's pick first.
+TEST(TunedAllreduce, CandidatesRunnableWithinTheSpreadInPredictedOrder) {
+  using A = AllreduceAlgorithm;
+  const LinkModel m = default_link_model(TransportKind::kTcp);
+  for (int w : {2, 3, 5, 8, 64, 1024}) {
+    for (size_t bytes : {size_t{4}, size_t{1} << 12, size_t{1} << 16, size_t{1} << 20, size_t{1} << 24, size_t{1} << 30}) {
+      const size_t count = bytes / 4;
+      const std::vector<A> c = tuning_candidates(bytes, count, w, m);
+      ASSERT_FALSE(c.empty());
+      EXPECT_EQ(c.front(), choose_allreduce(A::kAuto, bytes, count, w, m)) << bytes << " bytes, " << w << " ranks";
+      for (size_t i = 0; i < c.size(); ++i) {
+        EXPECT_EQ(choose_allreduce(c[i], bytes, count, w, m), c[i]) << "a candidate that cannot split the buffer";
+        const double us = predict_allreduce_us(c[i], bytes, w, m);
+        EXPECT_LE(us, kTuningSpread * predict_allreduce_us(c.front(), bytes, w, m));
+        if (i > 0) {
+          EXPECT_GE(us, predict_allreduce_us(c[i - 1], bytes, w, m));
+        }
+      }
+    }
+  }
+  // One element over 8 ranks: only recursive doubling can run, so there is nothing to try.
+  EXPECT_EQ(tuning_candidates(4, 1, 8, m), std::vector<A>{A::kRecursiveDoubling});
+  EXPECT_EQ(tuning_calls(1), 0);
+  EXPECT_EQ(tuning_candidates(1 << 20, 1 << 18, 1, m).size(), 1u);
+  // 1 GB over 1024 ranks: recursive doubling moves the whole buffer 10 times; never tried.
+  const std::vector<A> big = tuning_candidates(size_t{1} << 30, size_t{1} << 28, 1024, m);
+  EXPECT_EQ(std::count(big.begin(), big.end(), A::kRecursiveDoubling), 0);
+  EXPECT_GE(big.size(), 2u);
+  // 64 KiB over 8 ranks: all three are close enough to try.
+  EXPECT_EQ(tuning_candidates(64 << 10, 16 << 10, 8, m).size(), 3u);
+}
+
+TEST(TunedAllreduce, RoundRobinTrialsFirstRoundUntimedThenTheFastestAgreedTime) {
+  EXPECT_EQ(tuning_calls(3), kTunedAllreduceTrials);
+  EXPECT_EQ(tuning_calls(2), 2 * kTuningRounds);
+  std::vector<int> runs(3, 0), timed(3, 0);
+  for (int i = 0; i < tuning_calls(3); ++i) {
+    const Trial t = tuning_trial(i, 3);
+    ++runs[static_cast<size_t>(t.candidate)];
+    timed[static_cast<size_t>(t.candidate)] += t.timed ? 1 : 0;
+    EXPECT_EQ(t.timed, i >= 3) << i;
+    // Interleaved: no candidate runs twice in a row, so a slow spell of the machine hits them all.
+    if (i > 0) {
+      EXPECT_NE(t.candidate, tuning_trial(i - 1, 3).candidate);
+    }
+  }
+  EXPECT_EQ(runs, std::vector<int>(3, kTuningRounds));
+  EXPECT_EQ(timed, std::vector<int>(3, kTuningRounds - 1));
+  EXPECT_EQ(median_us({5, 1, 3}), 3);
+  EXPECT_EQ(median_us({4, 1, 3, 100}), 3.5);  // one outlier moves the median little
+  EXPECT_EQ(median_us({}), 0);
+  EXPECT_EQ(fastest_candidate({30, 10, 20}), 1);
+  EXPECT_EQ(fastest_candidate({10, 20, 10}), 0);  // a tie: the model's order
+  EXPECT_EQ(fastest_candidate({7}), 0);
+}
+
+TEST(TunedAllreduce, SizeClassesArePowersOfTwo) {
+  const std::pair<size_t, int> bit_widths[] = {{0, 0}, {1, 1}, {65535, 16}, {65536, 17}, {131071, 17}};
+  for (const auto& [bytes, k] : bit_widths) EXPECT_EQ(size_class(bytes), k) << bytes;
+  const ByteRange r = size_class_bytes(17);
+  EXPECT_EQ(r.min_bytes, 65536u);
+  EXPECT_EQ(r.max_bytes, 131071u);
+  for (size_t b : {size_t{1}, size_t{3}, size_t{4096}, size_t{100000}, size_t{1} << 40}) {
+    const ByteRange c = size_class_bytes(size_class(b));
+    EXPECT_LE(c.min_bytes, b);
+    EXPECT_GE(c.max_bytes, b);
+  }
 }
 
 TEST(HostPlan, EvenHostsGiveOneRailPerLocalRank) {

@@ -16,6 +16,7 @@
 #include "chorus/comm/rendezvous.h"
 #include "chorus/comm/signals.h"
 #include "error_class.h"
+#include "measured_allreduce.h"
 #include "plan.h"
 #include "process_group_impl.h"
 
@@ -383,8 +384,10 @@ plan::Hierarchy hierarchy_from_env() {
 }
 
 // The transport `kind` (from options.transport); kAuto looks at which ranks share a host.
+// `measured`: the group's MeasuredAllreduce when its allreduce is "tuned" (the hybrid's rails share it).
 std::unique_ptr<transport::Transport> make_transport(Store* store, const transport::TcpOptions& to,
-                                                     const ProcessGroupOptions& options, TransportKind kind, int size) {
+                                                     const ProcessGroupOptions& options, TransportKind kind, int size,
+                                                     std::shared_ptr<algo::MeasuredAllreduce> measured) {
   const std::string mine = options.host_id.empty() ? transport::host_identity() : options.host_id;
   transport::ShmOptions so;
   so.host_id = mine;
@@ -431,6 +434,7 @@ std::unique_ptr<transport::Transport> make_transport(Store* store, const transpo
     const algo::Tuning tune = detail::tuning_for(options, TransportKind::kTcp);  // across hosts: TCP
     ho.allreduce = tune.allreduce;
     ho.link = tune.link;
+    ho.measured = std::move(measured);
     ho.hierarchy = hierarchy_from_env();
     return transport::make_hybrid_transport(ho);
   }
@@ -449,7 +453,7 @@ algo::Tuning detail::tuning_for(const ProcessGroupOptions& options, TransportKin
   if (!parse_allreduce_algorithm(name, &t.allreduce)) {
     throw UsageError(std::string("chorus: unknown allreduce algorithm '") + printable(name) + "'" +
                      (from_env ? " in CHORUS_ALLREDUCE_ALGORITHM" : "") +
-                     "; available: auto, ring, recursive_doubling, rabenseifner");
+                     "; available: auto, ring, recursive_doubling, rabenseifner, tuned");
   }
   if (const char* b = std::getenv("CHORUS_BROADCAST_ALGORITHM"); b != nullptr && *b != '\0') {
     if (!plan::parse_broadcast_shape(b, &t.broadcast)) {
@@ -483,7 +487,10 @@ ProcessGroup::ProcessGroup(std::shared_ptr<Store> store, int rank, int size, Pro
     throw UsageError("chorus: unknown transport '" + options.transport + "'; available: tcp, shm, hybrid, auto (for mpi, connect_mpi_process_group in "
                      "chorus/comm/mpi.h, or init_process_group(\"mpi\"))");
   }
-  detail::tuning_for(options, TransportKind::kTcp);  // a bad algorithm name fails here, before setup
+  // A bad algorithm name fails here, before setup.
+  if (detail::tuning_for(options, TransportKind::kTcp).allreduce == AllreduceAlgorithm::kTuned) {
+    impl_->measured = std::make_shared<algo::MeasuredAllreduce>(rank == 0);
+  }
   lazy_connections(options, size);                   // and so does a bad tcp_connections
   hierarchy_from_env();                              // or CHORUS_HYBRID_ALLREDUCE
   Impl& m = *impl_;
@@ -507,7 +514,7 @@ ProcessGroup::ProcessGroup(std::shared_ptr<Store> store, int rank, int size, Pro
   try {
     RecordingStore recording(*m.store);
     to.store = &recording;  // the transports read the store during setup only
-    t = make_transport(&recording, to, options, kind, size);
+    t = make_transport(&recording, to, options, kind, size, m.measured);
     if (size > 1) release_setup_keys(*m.store, to.key_prefix, rank, size, recording.written());
   } catch (const std::exception& e) {
     // Name the rank and group on every setup error (store, connect, handshake, accept) that does
@@ -526,6 +533,10 @@ void ProcessGroup::Impl::start(ProcessGroup* pg, std::unique_ptr<transport::Tran
   TransportKind kind = TransportKind::kTcp;
   parse_transport(transport->kind(), &kind);
   tune = detail::tuning_for(opts, kind);
+  if (tune.allreduce == AllreduceAlgorithm::kTuned) {
+    if (!measured) measured = std::make_shared<algo::MeasuredAllreduce>(rank == 0);
+    tune.measured = measured;
+  }
   send_seq.assign(static_cast<size_t>(size), 0);
   recv_seq.assign(static_cast<size_t>(size), 0);
   transport->set_spin_gate(&waiters);
@@ -575,6 +586,9 @@ int ProcessGroup::rank() const { return impl_->rank; }
 int ProcessGroup::size() const { return impl_->size; }
 std::string ProcessGroup::transport() const { return impl_->transport->kind(); }
 const ProcessGroupOptions& ProcessGroup::options() const { return impl_->opts; }
+std::vector<TunedAllreduce> ProcessGroup::tuned_allreduce() const {
+  return impl_->measured ? impl_->measured->decided() : std::vector<TunedAllreduce>{};
+}
 
 using algo::Scratch;
 using wire::Call;

@@ -158,6 +158,7 @@ struct ProcessGroup::Impl final : detail::InlineRunner {
   transport::NativeCollectives* native = nullptr;  // transport's own collectives, if it has any
   algo::Scratch scratch;
   algo::Tuning tune;
+  std::shared_ptr<algo::MeasuredAllreduce> measured;  // allreduce "tuned": its trials and choices
 
   std::mutex mu;  // guards the queue, the sequence counters and stopping
   std::condition_variable cv;

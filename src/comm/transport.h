@@ -28,6 +28,10 @@ namespace chorus {
 class Store;
 }
 
+namespace chorus::algo {
+class MeasuredAllreduce;
+}
+
 namespace chorus::transport {
 
 using Ticket = uint64_t;
@@ -218,6 +222,7 @@ struct HybridOptions {
   bool spin_by_local_size = true;  // shm.spin_us = 50 when this host's ranks fit its cores, else 0
   size_t segment_bytes = 1 << 20;  // for the cross-host allreduce (algo::Tuning)
   AllreduceAlgorithm allreduce = AllreduceAlgorithm::kAuto;  // likewise
+  std::shared_ptr<algo::MeasuredAllreduce> measured;         // for kTuned: the group's, or null for the rails' own
   plan::LinkModel link = plan::default_link_model(TransportKind::kTcp);
   // Allreduce through the hosts' shared memory and rails, or one flat TCP algorithm over every
   // rank: kAuto asks plan::choose_hierarchy per call.

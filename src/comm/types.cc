@@ -85,7 +85,7 @@ const char* to_string(TransportKind kind) {
 
 bool parse_allreduce_algorithm(const std::string& name, AllreduceAlgorithm* algorithm) {
   for (AllreduceAlgorithm a : {AllreduceAlgorithm::kAuto, AllreduceAlgorithm::kRing, AllreduceAlgorithm::kRecursiveDoubling,
-                               AllreduceAlgorithm::kRabenseifner}) {
+                               AllreduceAlgorithm::kRabenseifner, AllreduceAlgorithm::kTuned}) {
     if (name == to_string(a)) {
       *algorithm = a;
       return true;
@@ -100,6 +100,7 @@ const char* to_string(AllreduceAlgorithm algorithm) {
     case AllreduceAlgorithm::kRing: return "ring";
     case AllreduceAlgorithm::kRecursiveDoubling: return "recursive_doubling";
     case AllreduceAlgorithm::kRabenseifner: return "rabenseifner";
+    case AllreduceAlgorithm::kTuned: return "tuned";
   }
   return "?";
 }

@@ -6,10 +6,12 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <string>
 #include <vector>
 
 #include "chorus/comm/error.h"
@@ -245,6 +247,21 @@ int open_fds() {
   return n - 3;  // ".", ".." and the directory's own descriptor
 }
 
+// Whether allreduce runs "tuned": asked for, or "auto" replaced by CHORUS_ALLREDUCE_ALGORITHM.
+bool tuned(const BenchArgs& a) {
+  const char* env = std::getenv("CHORUS_ALLREDUCE_ALGORITHM");
+  return a.allreduce_algorithm == "tuned" ||
+         (a.allreduce_algorithm == "auto" && env != nullptr && std::string(env) == "tuned");
+}
+
+// The algorithm "tuned" chose for allreduces of `bytes` over the whole group; "" when none did.
+std::string tuned_choice(const ProcessGroup& pg, size_t bytes) {
+  for (const TunedAllreduce& t : pg.tuned_allreduce()) {
+    if (t.ranks == pg.size() && t.min_bytes <= bytes && bytes <= t.max_bytes) return t.chosen;
+  }
+  return "";
+}
+
 std::shared_ptr<ProcessGroup> connect_timed(const BenchArgs& a, int rank, int world, SetupCost* cost) {
   const auto t0 = Clock::now();
   auto pg = connect_process_group("env://", rank, world, group_options(a, std::max(rank, 0), std::max(world, 1)));
@@ -269,7 +286,9 @@ void rank_main(const BenchArgs& a, std::shared_ptr<ProcessGroup> pg, SetupCost s
   }
   for (size_t bytes : parse_sizes(a.sizes)) {
     Case c(*pg, a.op, bytes);
-    for (int i = 0; i < a.warmup; ++i) c.run();
+    // "tuned" spends a size's first calls on trials: warm up past them, so only its choice is timed.
+    const int warmup = tuned(a) && a.op == "allreduce" ? std::max(a.warmup, kTunedAllreduceTrials) : a.warmup;
+    for (int i = 0; i < warmup; ++i) c.run();
     const int64_t iters = iteration_count(a, c, *pg);
     bool correct = true;
     const std::vector<double> times = time_runs(a, c, iters, &correct);
@@ -290,6 +309,7 @@ void rank_main(const BenchArgs& a, std::shared_ptr<ProcessGroup> pg, SetupCost s
                          {"transport", pg->transport()},
                          {"transport_requested", a.transport},
                          {"allreduce_algorithm", a.allreduce_algorithm},
+                         {"tuned_choice", tuned_choice(*pg, static_cast<size_t>(moved))},
                          {"setup_s", slowest[0]},
                          {"fds_per_rank", slowest[1]},
                          {"world_size", world},
@@ -364,8 +384,9 @@ void add_bench_options(CLI::App& app, BenchArgs& a) {
   app.add_option("--timeout", a.timeout_s, "per-operation timeout in seconds");
   app.add_option("--segment-bytes", a.segment_bytes, "ring pipeline segment size");
   app.add_option("--allreduce-algorithm", a.allreduce_algorithm,
-                 "auto (chosen per size by the link model), ring, recursive_doubling or rabenseifner")
-      ->check(CLI::IsMember({"auto", "ring", "recursive_doubling", "rabenseifner"}));
+                 "auto (chosen per size by the link model), ring, recursive_doubling, rabenseifner or tuned "
+                 "(chosen per size by measuring each; warm-up covers its trials)")
+      ->check(CLI::IsMember({"auto", "ring", "recursive_doubling", "rabenseifner", "tuned"}));
   app.add_option("--link-latency-us", a.link_latency_us, "the link model's latency for auto (0 = measured default)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--link-gbit", a.link_gbit_per_s, "the link model's bandwidth in Gbit/s for auto (0 = measured default)")

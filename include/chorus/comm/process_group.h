@@ -25,6 +25,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "chorus/comm/store.h"
@@ -55,6 +56,12 @@ struct ProcessGroupOptions {
   // algorithm with the least predicted time for the call's size and the group's size, from a model
   // of the link (docs/algorithms.md); "ring", "recursive_doubling" or "rabenseifner" force one
   // (recursive doubling still where the buffer has fewer elements than the algorithm cuts it in).
+  // "tuned" measures instead: the first calls of each size class (bytes within a power of two)
+  // try the model's likely candidates in turn, 4 rounds each (kTunedAllreduceTrials calls at
+  // most), then the group agrees on the fastest and keeps it (ProcessGroup::tuned_allreduce says
+  // what it chose). Its choice can differ between runs, and sums in another order differ in the
+  // last bits: a job that must repeat bit for bit (a resumed run compared with an unbroken one)
+  // keeps "auto" or forces one.
   // CHORUS_ALLREDUCE_ALGORITHM in the environment replaces "auto".
   std::string allreduce_algorithm = "auto";
   // The link "auto" plans for: one message's latency and its bandwidth (e.g. 10 for 10 GbE);
@@ -75,6 +82,17 @@ struct ProcessGroupOptions {
   // message latency. -1 = 20 us when the group has no more ranks than this host has cores, else 0
   // (spinning on an oversubscribed host takes the core the peer needs).
   int spin_us = -1;
+};
+
+// What allreduce_algorithm "tuned" measured for one size class (ProcessGroup::tuned_allreduce).
+struct TunedAllreduce {
+  int ranks = 0;  // the group's size, or a hybrid rail's (its hosts) for the part across hosts
+  size_t min_bytes = 0;
+  size_t max_bytes = 0;  // inclusive
+  // Each candidate ("ring", "recursive_doubling", "rabenseifner") and its time in microseconds:
+  // the slowest rank's median of its timed trials. Empty when only one algorithm could run.
+  std::vector<std::pair<std::string, double>> measured_us;
+  std::string chosen;
 };
 
 // The handle of one queued operation.
@@ -125,6 +143,10 @@ class ProcessGroup {
   int rank() const;
   int size() const;
   const ProcessGroupOptions& options() const;
+  // allreduce_algorithm "tuned": the size classes whose trials are over, what each candidate
+  // measured and which one they run (by ranks, then bytes). Empty for every other algorithm, and
+  // for allreduces that never leave shared memory. Any thread; a snapshot.
+  std::vector<TunedAllreduce> tuned_allreduce() const;
 
   std::shared_ptr<Work> allreduce(void* data, size_t count, DataType dtype, ReduceOp op = ReduceOp::kSum);
   std::shared_ptr<Work> broadcast(void* data, size_t count, DataType dtype, int root);

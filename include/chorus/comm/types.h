@@ -55,8 +55,12 @@ enum class AllreduceAlgorithm : uint8_t {
   kRing,               // reduce-scatter then allgather around a ring, pipelined in segments
   kRecursiveDoubling,  // log2(W) exchanges of the whole buffer
   kRabenseifner,       // reduce-scatter by recursive halving, allgather by recursive doubling
+  kTuned,              // per size class, the fastest as measured by trials of each (docs/algorithms.md)
 };
-// "auto", "ring", "recursive_doubling" or "rabenseifner"; false for any other name.
+// The most calls of one size class that kTuned spends on trials (a benchmark that warms up this
+// many calls per size times only the chosen algorithm).
+constexpr int kTunedAllreduceTrials = 12;
+// "auto", "ring", "recursive_doubling", "rabenseifner" or "tuned"; false for any other name.
 bool parse_allreduce_algorithm(const std::string& name, AllreduceAlgorithm* algorithm);
 const char* to_string(AllreduceAlgorithm algorithm);
 
