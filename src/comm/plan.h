@@ -62,7 +62,7 @@ AllreduceAlgorithm choose_allreduce(AllreduceAlgorithm forced, size_t bytes, siz
 // kTuningRounds rounds, the first untimed (it pays for first-use connections and TCP's slow
 // start). Then the group agrees on each candidate's time, the slowest rank's median of its timed
 // rounds, and the class runs the fastest from then on.
-constexpr int kTuningRounds = 4;
+constexpr int kTuningRounds = 6;
 static_assert(kTuningRounds * 3 == kTunedAllreduceTrials, "types.h promises the trials' bound");
 // Candidates: the algorithms that can split the buffer and are predicted within this factor of the
 // model's best, so that trials never run one the model is sure is far slower (recursive doubling

@@ -57,7 +57,7 @@ struct ProcessGroupOptions {
   // of the link (docs/algorithms.md); "ring", "recursive_doubling" or "rabenseifner" force one
   // (recursive doubling still where the buffer has fewer elements than the algorithm cuts it in).
   // "tuned" measures instead: the first calls of each size class (bytes within a power of two)
-  // try the model's likely candidates in turn, 4 rounds each (kTunedAllreduceTrials calls at
+  // try the model's likely candidates in turn, 6 rounds each (kTunedAllreduceTrials calls at
   // most), then the group agrees on the fastest and keeps it (ProcessGroup::tuned_allreduce says
   // what it chose). Its choice can differ between runs, and sums in another order differ in the
   // last bits: a job that must repeat bit for bit (a resumed run compared with an unbroken one)

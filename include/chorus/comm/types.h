@@ -59,7 +59,7 @@ enum class AllreduceAlgorithm : uint8_t {
 };
 // The most calls of one size class that kTuned spends on trials (a benchmark that warms up this
 // many calls per size times only the chosen algorithm).
-constexpr int kTunedAllreduceTrials = 12;
+constexpr int kTunedAllreduceTrials = 18;
 // "auto", "ring", "recursive_doubling", "rabenseifner" or "tuned"; false for any other name.
 bool parse_allreduce_algorithm(const std::string& name, AllreduceAlgorithm* algorithm);
 const char* to_string(AllreduceAlgorithm algorithm);
