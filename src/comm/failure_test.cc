@@ -387,6 +387,33 @@ TEST(TcpMismatch, RanksGivenDifferentCHORUS_LINK_GBITFailNamingTheVariable) {
   }, "CHORUS_LINK_GBIT");
 }
 
+// "tuned" on one rank only: its trials run other algorithms than the other rank's plan, and the
+// first call where they differ fails on both ranks at once with a MismatchError naming the option
+// to align, never after the timeout and never a wrong sum.
+TEST(TcpMismatch, TunedOnOneRankOnlyFailsAtOnceNamingTheOption) {
+  auto reports = testing::run_ranks_independent(2, [&](int rank, int w) -> std::string {
+    ProcessGroupOptions o;
+    o.timeout = milliseconds(20000);
+    o.transport = "tcp";
+    o.allreduce_algorithm = rank == 0 ? "tuned" : "auto";
+    auto pg = connect_process_group("env://", rank, w, o);
+    std::vector<float> v(1000);
+    for (int call = 0; call <= kTunedAllreduceTrials; ++call) {
+      std::fill(v.begin(), v.end(), static_cast<float>(rank + 1));
+      const std::string r = outcome([&] { pg->allreduce(v.data(), v.size(), DataType::kFloat32)->wait(); });
+      if (r != "ok") return r;
+      if (v.front() != 3.0f || v.back() != 3.0f) return "call " + std::to_string(call) + ": a wrong sum";
+    }
+    return "every call ran";
+  });
+  for (const auto& r : reports) {
+    SCOPED_TRACE(r.text);
+    EXPECT_EQ(r.text.rfind("MismatchError", 0), 0u);
+    EXPECT_LT(elapsed_of(r.text), 10.0);
+    EXPECT_NE(r.text.find("allreduce_algorithm"), std::string::npos);
+  }
+}
+
 // The same variable on every rank is a link the ranks agree on: the allreduce runs and is right.
 TEST(LinkFromEnvironment, EveryRankGivenTheSameLinkRuns) {
   auto reports = testing::run_ranks_independent(2, [&](int rank, int w) -> std::string {

@@ -9,6 +9,9 @@
   CHORUS_LINK_GBIT that is not a number makes init_process_group raise RuntimeError naming it; one
   rank told a different link than the others makes the all_reduce raise on every rank, within
   seconds, naming CHORUS_LINK_GBIT.
+- CHORUS_ALLREDUCE_ALGORITHM=tuned (docs/algorithms.md, "Measured choice"): on every rank, its
+  trials and the calls after them sum right; on one rank only, the first call where its trial
+  differs from the other rank's plan raises on both, within seconds, naming the variable.
 Prints "OK: ..." and exits 0, or one line per problem and exits 1.
 """
 import datetime
@@ -75,6 +78,36 @@ def different_links(rank, world, store, queue):
     report_error(rank, queue, lambda: dist.all_reduce(torch.ones(1000)))
 
 
+TUNED_CALLS = 20  # past the 18 trials of a size class (kTunedAllreduceTrials)
+
+
+def tuned_calls(rank):
+    """TUNED_CALLS all_reduces of 4000 bytes; "ok" when every sum was right, else what went wrong."""
+    for call in range(TUNED_CALLS):
+        t = torch.full((1000,), float(rank + 1))
+        dist.all_reduce(t)
+        if not torch.equal(t, torch.full((1000,), 3.0)):
+            return "call %d: a wrong sum" % call
+    return "ok"
+
+
+def tuned_everywhere(rank, world, store, queue):
+    os.environ["CHORUS_TRANSPORT"] = "tcp"  # shared memory has its own allreduce, not tuned
+    os.environ["CHORUS_ALLREDUCE_ALGORITHM"] = "tuned"
+    dist.init_process_group("chorus", init_method="file://" + store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    queue.put((rank, tuned_calls(rank)))
+
+
+def tuned_on_one_rank(rank, world, store, queue):
+    os.environ["CHORUS_TRANSPORT"] = "tcp"
+    if rank == 0:
+        os.environ["CHORUS_ALLREDUCE_ALGORITHM"] = "tuned"
+    dist.init_process_group("chorus", init_method="file://" + store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    report_error(rank, queue, lambda: tuned_calls(rank))
+
+
 def run(fn, world, expect):
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
@@ -114,7 +147,8 @@ def main():
             problems.append("missing peer: rank %d raised after %.1f s: %s" % (rank, r[0], r[1]))
     wait_times = [got[r][0] for r in (0, 2) if isinstance(got.get(r), tuple)]
     for name, fn, needle in [("bad link", bad_link, "CHORUS_LINK_GBIT='10GbE' is not a positive number"),
-                             ("different links", different_links, "CHORUS_LINK_GBIT")]:
+                             ("different links", different_links, "CHORUS_LINK_GBIT"),
+                             ("tuned on one rank", tuned_on_one_rank, "CHORUS_ALLREDUCE_ALGORITHM")]:
         got_link = run(fn, 2, 2)
         for rank in range(2):
             r = got_link.get(rank)
@@ -122,12 +156,16 @@ def main():
                 problems.append("%s: rank %d: %r" % (name, rank, r))
             elif r[0] > 10 or needle not in r[1]:
                 problems.append("%s: rank %d raised after %.1f s without %r: %s" % (name, rank, r[0], needle, r[1]))
+    got_tuned = run(tuned_everywhere, 2, 2)
+    if got_tuned != {0: "ok", 1: "ok"}:
+        problems.append("tuned on every rank: %r" % got_tuned)
     for line in problems:
         print(line)
     if not problems:
         print("example messages:\n  " + got[0][1].splitlines()[0][:300])
     print("%s: a SIGKILLed rank raised RuntimeError on the others after %s s; a missing rank after %s s "
-          "(timeout 3 s); a bad or disagreeing CHORUS_LINK_GBIT raised naming it" % ("FAILED" if problems else "OK", ", ".join("%.2f" % t for t in kill_times),
+          "(timeout 3 s); a bad or disagreeing CHORUS_LINK_GBIT raised naming it; tuned ran right on every rank "
+          "and raised naming it on one" % ("FAILED" if problems else "OK", ", ".join("%.2f" % t for t in kill_times),
                              ", ".join("%.2f" % t for t in wait_times)))
     return 1 if problems else 0
 
