@@ -76,13 +76,17 @@ class Model(unittest.TestCase):
         self.assertAlmostEqual(sm.last_bucket_share(26 * mb), 25 / 26)
         self.assertEqual(sm.last_bucket_share(mb // 2), 1.0)
 
-    def test_collect_profile_from_keeps_the_ddp_run_and_takes_the_new_points(self):
+    def test_collect_profile_from_keeps_the_ddp_run_and_takes_the_new_points_once_each(self):
         work = tempfile.mkdtemp(prefix="chorus-scaling-collect-")
         try:
             results = os.path.join(work, "run")
             os.makedirs(results)
             with open(os.path.join(results, "8-1gbit-chorus-ring-allreduce-small.json"), "w") as f:
                 json.dump([{"bytes": 65536, "p50_us": 1078.0, "busbw_gbps": 0.106, "allreduce_algorithm": "ring"}], f)
+            # bench/multihost --repeat 3: the point counts once, its median run.
+            for k, p50 in ((2, 900.0), (3, 1500.0)):
+                with open(os.path.join(results, "8-1gbit-chorus-ring-allreduce-small_r%d.json" % k), "w") as f:
+                    json.dump([{"bytes": 65536, "p50_us": p50, "busbw_gbps": 0.1, "allreduce_algorithm": "ring"}], f)
             old = os.path.join(work, "old.json")
             with open(old, "w") as f:
                 json.dump({"measured": "before", "commands": ["bench/multihost --hosts 2", "chorus run -n 2 transfer"],
@@ -96,6 +100,7 @@ class Model(unittest.TestCase):
             self.assertEqual(bundle["commands"], ["bench/multihost --hosts 8", "chorus run -n 2 transfer"])
             self.assertEqual(len(bundle["points"]), 1)
             self.assertEqual((bundle["points"][0]["hosts"], bundle["points"][0]["system"]), (8, "chorus-ring"))
+            self.assertEqual(bundle["points"][0]["p50_us"], 1078.0)
             r = subprocess.run([sys.executable, os.path.join(HERE, "scaling-model"), "collect", results],
                                capture_output=True, text=True, timeout=60)
             self.assertNotEqual(r.returncode, 0)
