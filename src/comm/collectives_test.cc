@@ -101,7 +101,9 @@ TEST_P(Conformance, AllocatedBuffersAllreduceInPlace) {
 class Algorithms : public ::testing::TestWithParam<std::tuple<std::string, SuiteSetup>> {};
 
 TEST_P(Algorithms, EveryAllreduceDtypeOpAndSize) {
-  const auto& [algorithm, setup] = GetParam();
+  // Copies, not structured bindings: lambdas capture those only from C++20 (clang holds to it).
+  const std::string algorithm = std::get<0>(GetParam());
+  const SuiteSetup setup = std::get<1>(GetParam());
   EXPECT_EQ(testing::run_ranks(setup.world, [&](int rank, int w, std::shared_ptr<Store>) {
     auto pg = connect_process_group("env://", rank, w, test_options(setup, rank, 96, algorithm, false));
     conformance::every_allreduce(*pg);
@@ -172,7 +174,8 @@ TEST(TunedAllreduce, RanksAgreeOnTheirChoicesAndALatencyBoundSizeAvoidsTheRing) 
 class ReadyHandshakes : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
 
 TEST_P(ReadyHandshakes, EveryAllreduceDtypeOpAndSize) {
-  const auto& [algorithm, world] = GetParam();
+  const std::string algorithm = std::get<0>(GetParam());
+  const int world = std::get<1>(GetParam());
   const SuiteSetup setup{"tcp", world, 1};
   EXPECT_EQ(testing::run_ranks(world, [&](int rank, int w, std::shared_ptr<Store>) {
     ProcessGroupOptions o = test_options(setup, rank, 96, algorithm, false);
@@ -213,7 +216,8 @@ INSTANTIATE_TEST_SUITE_P(Forced, FlatHybrid,
 class BroadcastShapes : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
 
 TEST_P(BroadcastShapes, EveryRootDtypeAndSize) {
-  const auto& [shape, world] = GetParam();
+  const std::string shape = std::get<0>(GetParam());
+  const int world = std::get<1>(GetParam());
   EXPECT_EQ(testing::run_ranks(world, [&](int rank, int w, std::shared_ptr<Store>) {
     ::setenv("CHORUS_BROADCAST_ALGORITHM", shape.c_str(), 1);  // this rank's process alone
     auto pg = connect_process_group("env://", rank, w, test_options({"tcp", w, 1}, rank, 96, "auto", false));
