@@ -31,6 +31,16 @@ class Model(unittest.TestCase):
         # The ring's reduction shows only where it is slower than the transfer.
         self.assertAlmostEqual(sm.predict_us("ring", n, 2, a, 1e-4, 3e-4), 2 * a + n * 1e-4 + 0.5 * n * 2e-4)
 
+    def test_links_carry_frames_not_payload(self):
+        # A 1448-byte segment is a 1514-byte frame to tc tbf and 1538 bytes on a real Ethernet port.
+        self.assertAlmostEqual(sm.link_us_per_byte(1e9), 8e-3 * 1514 / 1448)
+        self.assertAlmostEqual(sm.link_us_per_byte(1e9, sm.ETHERNET_FRAME), 8e-3 * 1538 / 1448)
+        self.assertEqual(sm.link_us_per_byte(None), 0.0)
+        # The testbed's links are tbf's, real hosts' (cores=None) Ethernet's; the slower of link and host.
+        self.assertAlmostEqual(sm.per_byte(1e-4, 1e9, 8, sm.TESTBED_CORES), 8e-3 * 1514 / 1448)
+        self.assertAlmostEqual(sm.per_byte(1e-4, 1e9, 1, None), 8e-3 * 1538 / 1448)
+        self.assertAlmostEqual(sm.per_byte(1e-2, 1e9, 8, sm.TESTBED_CORES), 1e-2 * 4)  # 8 hosts on 2 cores
+
     def test_fit_recovers_the_parameters_it_was_made_with(self):
         truth = (12.0, 10 ** (-62 / 20.0), 1.5e-4)  # beta_host on the fit's grid
         points = []
