@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <stdexcept>
 #include <string>
@@ -165,6 +166,70 @@ TEST(TunedAllreduce, RanksAgreeOnTheirChoicesAndALatencyBoundSizeAvoidsTheRing) 
     h[1] = -h[0];
     pg->allreduce(h, 2, DataType::kInt64, ReduceOp::kMax)->wait();
     if (h[0] != -h[1]) throw std::runtime_error("ranks disagree on what was tuned; this rank has\n" + text);
+  }, std::chrono::seconds(60)), "");
+}
+
+// keep_tuned_allreduce: decisions from an earlier run are used from a class's first call, with no
+// trials, and sum bit for bit as that algorithm forced (what a resumed run relies on); decisions
+// for another group size are not used; malformed ones are a UsageError.
+TEST(TunedAllreduce, KeptDecisionsRunFromTheFirstCallAndSumAsThatAlgorithmForced) {
+  EXPECT_EQ(testing::run_ranks(5, [&](int rank, int w, std::shared_ptr<Store>) {
+    auto tuned = connect_process_group("env://", rank, w, test_options({"tcp", w, 1}, rank, 1 << 20, "tuned", false));
+    // Malformed decisions first: a byte range that is not a size class, a name that is no algorithm.
+    auto usage = [&](TunedAllreduce d, const std::string& says) {
+      try {
+        tuned->keep_tuned_allreduce({d});
+      } catch (const UsageError& e) {
+        if (std::string(e.what()).find(says) == std::string::npos) throw std::runtime_error(e.what());
+        return;
+      }
+      throw std::runtime_error("no UsageError for a decision that should say: " + says);
+    };
+    usage({w, 65536, 100000, {}, "ring"}, "not one of tuned_allreduce()'s size classes");
+    usage({w, 65536, 131071, {}, "auto"}, "must name an algorithm");
+    usage({w, 65536, 131071, {{"fastest", 1.0}}, "ring"}, "'fastest', which is not an algorithm");
+    // 64 KiB-128 KiB keeps the ring, 64-127 B Rabenseifner; 4 KiB is kept for 4 ranks only.
+    tuned->keep_tuned_allreduce({{w, 65536, 131071, {{"ring", 10.0}, {"rabenseifner", 20.0}}, "ring"},
+                                 {w, 64, 127, {}, "rabenseifner"},
+                                 {w - 1, 4096, 8191, {}, "ring"}});
+    ProcessGroupOptions o = test_options({"tcp", w, 1}, rank, 1 << 20, "ring", false);
+    o.group_name = "forced-ring";
+    auto ring = connect_process_group("env://", rank, w, o);
+    o.allreduce_algorithm = "rabenseifner";
+    o.group_name = "forced-rabenseifner";
+    auto rabenseifner = connect_process_group("env://", rank, w, o);
+    auto same_sums = [&](size_t count, ProcessGroup& forced) {
+      std::vector<float> a(count), b(count);
+      for (size_t i = 0; i < count; ++i) a[i] = b[i] = 0.1f * static_cast<float>(rank + 1) + 1e-3f * static_cast<float>(i % 977);
+      tuned->allreduce(a.data(), count, DataType::kFloat32)->wait();
+      forced.allreduce(b.data(), count, DataType::kFloat32)->wait();
+      if (std::memcmp(a.data(), b.data(), count * sizeof(float)) != 0) {
+        throw std::runtime_error(std::to_string(count) + " floats: the kept algorithm's sums differ from " +
+                                 forced.options().allreduce_algorithm + " forced");
+      }
+    };
+    same_sums(20000, *ring);       // 80 000 B
+    {  // which matters: on these values the ring and Rabenseifner differ in the last bits
+      std::vector<float> a(20000), b(20000);
+      for (size_t i = 0; i < a.size(); ++i) a[i] = b[i] = 0.1f * static_cast<float>(rank + 1) + 1e-3f * static_cast<float>(i % 977);
+      ring->allreduce(a.data(), a.size(), DataType::kFloat32)->wait();
+      rabenseifner->allreduce(b.data(), b.size(), DataType::kFloat32)->wait();
+      if (std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0) {
+        throw std::runtime_error("the ring and Rabenseifner summed 20000 floats alike: these values test nothing");
+      }
+    }
+    same_sums(20, *rabenseifner);  // 80 B
+    std::vector<float> other(1500, 1.0f);  // 6000 B: kept for another group size only, so its trials begin
+    tuned->allreduce(other.data(), other.size(), DataType::kFloat32)->wait();
+    if (other.front() != static_cast<float>(w)) throw std::runtime_error("6000 B: a wrong sum");
+    const std::vector<TunedAllreduce> now = tuned->tuned_allreduce();
+    std::string text;
+    for (const TunedAllreduce& t : now) text += std::to_string(t.ranks) + " " + std::to_string(t.min_bytes) + " " + t.chosen + "\n";
+    // Decided after one call each: the two kept classes, not the 4 KiB one (its trials go on).
+    if (now.size() != 2 || now[0].min_bytes != 64 || now[0].chosen != "rabenseifner" || now[1].min_bytes != 65536 ||
+        now[1].chosen != "ring" || now[1].measured_us.size() != 2 || now[1].measured_us[1].second != 20.0) {
+      throw std::runtime_error("expected the kept 64 B and 64 KiB classes only, got\n" + text);
+    }
   }, std::chrono::seconds(60)), "");
 }
 

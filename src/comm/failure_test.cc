@@ -414,6 +414,34 @@ TEST(TcpMismatch, TunedOnOneRankOnlyFailsAtOnceNamingTheOption) {
   }
 }
 
+// keep_tuned_allreduce with different decisions on different ranks (e.g. each loaded another saved
+// state): the class's first allreduce fails on every rank within moments, naming the call; and so
+// does a rank that kept decisions facing one that kept none.
+TEST(TcpMismatch, KeptTunedDecisionsThatDifferFailAtOnceOnEveryRank) {
+  for (const bool one_keeps_none : {false, true}) {
+    SCOPED_TRACE(one_keeps_none ? "rank 1 keeps nothing" : "rank 0 keeps the ring, the others Rabenseifner");
+    auto reports = testing::run_ranks_independent(3, [&](int rank, int w) -> std::string {
+      ProcessGroupOptions o;
+      o.timeout = milliseconds(20000);
+      o.transport = "tcp";
+      o.allreduce_algorithm = "tuned";
+      auto pg = connect_process_group("env://", rank, w, o);
+      if (!(one_keeps_none && rank == 1)) {
+        pg->keep_tuned_allreduce({{w, 2048, 4095, {}, rank == 0 ? "ring" : "rabenseifner"}});
+      }
+      std::vector<float> v(1000, static_cast<float>(rank + 1));  // 4000 bytes
+      const std::string r = outcome([&] { pg->allreduce(v.data(), v.size(), DataType::kFloat32)->wait(); });
+      return r == "ok" ? "the allreduce ran (sum " + std::to_string(v.back()) + ")" : r;
+    });
+    for (const auto& r : reports) {
+      SCOPED_TRACE(r.text);
+      EXPECT_EQ(r.text.rfind("MismatchError", 0), 0u);
+      EXPECT_LT(elapsed_of(r.text), 10.0);
+      EXPECT_NE(r.text.find("keep_tuned_allreduce"), std::string::npos);
+    }
+  }
+}
+
 // The same variable on every rank is a link the ranks agree on: the allreduce runs and is right.
 TEST(LinkFromEnvironment, EveryRankGivenTheSameLinkRuns) {
   auto reports = testing::run_ranks_independent(2, [&](int rank, int w) -> std::string {

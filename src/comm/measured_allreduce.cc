@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include "algorithms.h"
+#include "chorus/comm/error.h"
 #include "chorus/comm/log.h"
 #include "plan.h"
 
@@ -47,6 +48,7 @@ void MeasuredAllreduce::run(transport::Transport& t, Scratch& s, const Tuning& t
   AllreduceAlgorithm algorithm;
   plan::Trial trial;
   bool trying = false;
+  bool check_kept = false;  // the first call of a kept class: do all ranks keep the same?
   int index = 0;
   int n_candidates = 0;
   {
@@ -54,11 +56,19 @@ void MeasuredAllreduce::run(transport::Transport& t, Scratch& s, const Tuning& t
     auto [it, fresh] = classes_.try_emplace({ranks, cls});
     Class& c = it->second;
     if (fresh) {
-      c.candidates = plan::tuning_candidates(bytes, count, ranks, tune.link);
-      c.us.resize(c.candidates.size());
-      if (plan::tuning_calls(static_cast<int>(c.candidates.size())) == 0) {
+      if (auto k = kept_.find({ranks, cls}); k != kept_.end()) {
+        c.candidates = k->second.candidates;
+        c.agreed_us = k->second.agreed_us;
+        c.chosen = k->second.chosen;
         c.done = true;
-        c.chosen = c.candidates.front();
+        check_kept = true;
+      } else {
+        c.candidates = plan::tuning_candidates(bytes, count, ranks, tune.link);
+        c.us.resize(c.candidates.size());
+        if (plan::tuning_calls(static_cast<int>(c.candidates.size())) == 0) {
+          c.done = true;
+          c.chosen = c.candidates.front();
+        }
       }
     }
     n_candidates = static_cast<int>(c.candidates.size());
@@ -69,6 +79,27 @@ void MeasuredAllreduce::run(transport::Transport& t, Scratch& s, const Tuning& t
       index = c.calls++;
       trial = plan::tuning_trial(index, n_candidates);
       algorithm = c.candidates[static_cast<size_t>(trial.candidate)];
+    }
+  }
+  if (check_kept) {
+    // Every rank's kept algorithm, as its enum value: the largest and (negated) the smallest.
+    double v[2] = {static_cast<double>(algorithm), -static_cast<double>(algorithm)};
+    wire::Call agree = call;
+    agree.dtype = DataType::kFloat64;
+    agree.reduce_op = ReduceOp::kMax;
+    agree.count = 2;
+    agree.arg = wire::kKeptTunedCheckArg;
+    allreduce_recursive_doubling(t, s, tune, agree, v, 2, DataType::kFloat64, ReduceOp::kMax);
+    if (v[0] != -v[1]) {
+      const auto mine = static_cast<double>(algorithm);
+      const auto other = static_cast<AllreduceAlgorithm>(static_cast<int>(v[0] != mine ? v[0] : -v[1]));
+      const plan::ByteRange range = plan::size_class_bytes(cls);
+      throw MismatchError("chorus: rank " + std::to_string(t.rank()) + ": " + wire::describe(call) +
+                          ": allreduce \"tuned\" kept " + to_string(algorithm) + " for " + bytes_label(range.min_bytes) +
+                          " up to " + bytes_label(range.max_bytes + 1) + " over " + std::to_string(ranks) +
+                          " ranks, and another rank kept " + to_string(other) +
+                          "; keep_tuned_allreduce must be given the same decisions on every rank (e.g. all "
+                          "ranks load the same saved state)");
     }
   }
   // A later call of the class may have too few elements for the kept algorithm (another dtype):
@@ -113,6 +144,38 @@ void MeasuredAllreduce::run(transport::Transport& t, Scratch& s, const Tuning& t
     }
     log(LogLevel::kInfo, line + ")");
   }
+}
+
+void MeasuredAllreduce::keep(const std::vector<TunedAllreduce>& decisions) {
+  std::map<std::pair<int, int>, Kept> add;
+  for (const TunedAllreduce& d : decisions) {
+    const int cls = plan::size_class(d.min_bytes);
+    const plan::ByteRange range = plan::size_class_bytes(cls);
+    const std::string which = "keep_tuned_allreduce: the decision for " + std::to_string(d.min_bytes) + " to " +
+                              std::to_string(d.max_bytes) + " bytes over " + std::to_string(d.ranks) + " ranks";
+    if (d.ranks < 1 || d.min_bytes == 0 || range.min_bytes != d.min_bytes || range.max_bytes != d.max_bytes) {
+      throw UsageError("chorus: " + which + " is not one of tuned_allreduce()'s size classes (bytes from a power of "
+                       "two up to the next, at least one rank); pass back what tuned_allreduce() returned");
+    }
+    Kept k;
+    if (!parse_allreduce_algorithm(d.chosen, &k.chosen) || k.chosen == AllreduceAlgorithm::kAuto ||
+        k.chosen == AllreduceAlgorithm::kTuned) {
+      throw UsageError("chorus: " + which + " keeps '" + d.chosen +
+                       "'; it must name an algorithm: ring, recursive_doubling or rabenseifner");
+    }
+    for (const auto& [name, us] : d.measured_us) {
+      AllreduceAlgorithm a;
+      if (!parse_allreduce_algorithm(name, &a) || a == AllreduceAlgorithm::kAuto || a == AllreduceAlgorithm::kTuned) {
+        throw UsageError("chorus: " + which + " lists a time for '" + name + "', which is not an algorithm");
+      }
+      k.candidates.push_back(a);
+      k.agreed_us.push_back(us);
+    }
+    if (k.candidates.empty()) k.candidates.push_back(k.chosen);
+    add[{d.ranks, cls}] = std::move(k);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [key, k] : add) kept_[key] = std::move(k);
 }
 
 std::vector<TunedAllreduce> MeasuredAllreduce::decided() const {

@@ -36,6 +36,9 @@ class MeasuredAllreduce {
            size_t count, DataType dtype, ReduceOp op);
   // The classes decided so far, by ranks then bytes.
   std::vector<TunedAllreduce> decided() const;
+  // Decisions to use in place of trials for classes not started yet (ProcessGroup::
+  // keep_tuned_allreduce); validated first, UsageError naming the bad one. Any thread.
+  void keep(const std::vector<TunedAllreduce>& decisions);
 
  private:
   struct Class {
@@ -46,9 +49,16 @@ class MeasuredAllreduce {
     AllreduceAlgorithm chosen = AllreduceAlgorithm::kRecursiveDoubling;
     std::vector<double> agreed_us;  // per candidate: the slowest rank's median
   };
+  // A decision kept from an earlier run, waiting for its class's first call.
+  struct Kept {
+    AllreduceAlgorithm chosen = AllreduceAlgorithm::kRing;
+    std::vector<AllreduceAlgorithm> candidates;  // what was measured, for decided()
+    std::vector<double> agreed_us;
+  };
   const bool announce_;
-  mutable std::mutex mu_;  // guards classes_ (run inserts and updates, decided reads)
+  mutable std::mutex mu_;  // guards classes_ and kept_ (run inserts and updates, decided reads)
   std::map<std::pair<int, int>, Class> classes_;
+  std::map<std::pair<int, int>, Kept> kept_;
 };
 
 }  // namespace chorus::algo

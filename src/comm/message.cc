@@ -69,6 +69,9 @@ std::string describe_fields(OpType op, uint64_t seq, uint8_t dtype, uint8_t redu
     out << ", " << (reduce_op < kNumReduceOps ? to_string(static_cast<ReduceOp>(reduce_op)) : "bad-op");
   }
   if (has_root(op)) out << ", root " << arg;
+  if (op == OpType::kAllreduce && arg == kKeptTunedCheckArg) {
+    out << "; allreduce \"tuned\": the check that every rank kept the same decisions, keep_tuned_allreduce";
+  }
   out << ")";
   return out.str();
 }

@@ -67,6 +67,11 @@ struct Call {
   int64_t arg = 0;
 };
 
+// Call::arg of the small allreduce with which the first call of a size class whose "tuned"
+// decision was kept (ProcessGroup::keep_tuned_allreduce) checks that every rank kept the same: a
+// rank that kept nothing meets it as a mismatch that names keep_tuned_allreduce.
+constexpr int64_t kKeptTunedCheckArg = 0x6b657074;  // "kept"
+
 Header make_header(const Call& call, uint64_t payload);
 bool same_call(const Header& h, const Call& c);
 // "allreduce #12 (float32 x 1000, sum)", "broadcast #3 (float32 x 10, root 0)", "send #0 (tag 7, uint8 x 5)".

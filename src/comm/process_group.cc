@@ -589,6 +589,13 @@ const ProcessGroupOptions& ProcessGroup::options() const { return impl_->opts; }
 std::vector<TunedAllreduce> ProcessGroup::tuned_allreduce() const {
   return impl_->measured ? impl_->measured->decided() : std::vector<TunedAllreduce>{};
 }
+void ProcessGroup::keep_tuned_allreduce(const std::vector<TunedAllreduce>& decisions) {
+  if (impl_->measured) {
+    impl_->measured->keep(decisions);
+  } else {
+    algo::MeasuredAllreduce(false).keep(decisions);  // the same checks, with nothing to keep them for
+  }
+}
 
 using algo::Scratch;
 using wire::Call;

@@ -1,7 +1,7 @@
 // The Accelerator's state: save_state writes the prepared model(s), the optimizer and, as the
 // checkpoint's extra fields, the step, each loader's position, the schedulers' step counts, the
-// learning rates and the registered user objects (docs/checkpoint.md); load_state puts them back,
-// moving each loader's position when the world size or batch size changed.
+// learning rates, the registered user objects and allreduce "tuned"'s decisions (docs/checkpoint.md);
+// load_state puts them back, moving each loader's position when the world size or batch size changed.
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
@@ -33,6 +33,32 @@ std::string from_hex(const std::string& hex) {
 int64_t extra_int(const CheckpointState& st, const std::string& key, int64_t fallback) {
   auto it = st.extra.find(key);
   return it == st.extra.end() ? fallback : std::stoll(it->second);
+}
+
+// allreduce "tuned"'s decisions (ProcessGroup::tuned_allreduce) as the state's "allreduce.tuned".
+std::string tuned_to_json(const std::vector<TunedAllreduce>& decisions) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const TunedAllreduce& d : decisions) {
+    nlohmann::json measured = nlohmann::json::array();
+    for (const auto& [name, us] : d.measured_us) measured.push_back({name, us});
+    out.push_back({{"ranks", d.ranks}, {"min_bytes", d.min_bytes}, {"max_bytes", d.max_bytes},
+                   {"chosen", d.chosen}, {"measured_us", measured}});
+  }
+  return out.dump();
+}
+
+std::vector<TunedAllreduce> tuned_from_json(const std::string& text) {
+  std::vector<TunedAllreduce> out;
+  for (const auto& j : nlohmann::json::parse(text)) {
+    TunedAllreduce d;
+    d.ranks = j.at("ranks").get<int>();
+    d.min_bytes = j.at("min_bytes").get<size_t>();
+    d.max_bytes = j.at("max_bytes").get<size_t>();
+    d.chosen = j.at("chosen").get<std::string>();
+    for (const auto& m : j.at("measured_us")) d.measured_us.emplace_back(m.at(0).get<std::string>(), m.at(1).get<double>());
+    out.push_back(std::move(d));
+  }
+  return out;
 }
 }  // namespace
 
@@ -101,6 +127,7 @@ std::string Accelerator::save_state() {
     st.extra["optimizer.0.lrs"] = lrs.dump();
   }
   if (scaler_) st.extra["grad_scaler"] = scaler_->state();
+  if (const auto tuned = group_->tuned_allreduce(); !tuned.empty()) st.extra["allreduce.tuned"] = tuned_to_json(tuned);
   for (const auto& u : user_objects_) st.extra["user." + u.name] = to_hex(u.save());
 
   auto module = state_module(models_);
@@ -179,6 +206,18 @@ bool Accelerator::load_state(const std::string& dir) {
     }
   }
   if (auto it = st->extra.find("grad_scaler"); it != st->extra.end() && scaler_) scaler_->load_state(it->second);
+  if (auto it = st->extra.find("allreduce.tuned"); it != st->extra.end()) {
+    // What "tuned" kept before the save, kept again: the resumed steps sum as the original's did.
+    // Decisions for another world size are never used (their classes count other ranks).
+    std::vector<TunedAllreduce> tuned;
+    try {
+      tuned = tuned_from_json(it->second);
+    } catch (const nlohmann::json::exception& e) {
+      throw UsageError(who() + ": load_state: the state's allreduce.tuned is not what save_state writes (" + e.what() +
+                       "); " + from + " was written by something else or damaged");
+    }
+    group_->keep_tuned_allreduce(tuned);
+  }
   for (const auto& u : user_objects_) {
     if (auto it = st->extra.find("user." + u.name); it != st->extra.end()) u.load(from_hex(it->second));
   }

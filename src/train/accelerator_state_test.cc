@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "accelerator_test_util.h"
+#include "chorus/comm/process_group.h"
 #include "chorus/comm/signals.h"
 #include "chorus/train/checkpoint.h"
 #include "testing.h"
@@ -183,6 +184,63 @@ TEST(State, MidEpochResumeGivesTheSameBatchesLossesAndObjects) {
         require(steps[i]["step"].get<int64_t>() == static_cast<int64_t>(i + 1), file + ": steps out of order");
       }
     }
+  }), "");
+}
+
+// allreduce "tuned": what it kept travels with the state, so the steps a resumed run does again equal
+// the first attempt's bit for bit (without it, the resumed run would try every algorithm again, and
+// at 3 ranks their sums differ in the last bits). Each run gets a group of its own, since a group
+// keeps what it measured. W=3, 15 items a rank: 2 steps an epoch, one gradient bucket each.
+TEST(State, TunedAllreduceKeepsItsDecisionsAcrossAResume) {
+  EXPECT_EQ(testing::run_ranks(3, [](int rank, int w, std::shared_ptr<Store>) {
+    torch::set_num_threads(1);
+    auto group = [&](const std::string& name) {
+      ProcessGroupOptions o;
+      o.transport = "tcp";
+      o.allreduce_algorithm = "tuned";
+      o.group_name = name;
+      return connect_process_group("env://", rank, w, o);
+    };
+    // Saves at step 20 (the gradients' class decided after its 18 calls) and runs on to step 24,
+    // as if killed then.
+    auto first_group = group("first");
+    AcceleratorOptions first = test_options("_tuned");
+    first.group = first_group.get();
+    first.checkpoint_each_epoch = false;
+    first.checkpoint_every = 20;
+    std::vector<TunedAllreduce> saved;
+    const JobResult part1 = state_job(first, 12, [&](Accelerator& a) {
+      if (a.global_step() == 20) saved = first_group->tuned_allreduce();
+    });
+    require(part1.trace.size() == 24, "the first attempt has " + std::to_string(part1.trace.size()) + " steps");
+    const TunedAllreduce* tried = nullptr;
+    for (const auto& d : saved) {
+      if (d.measured_us.size() >= 2) tried = &d;
+    }
+    require(tried != nullptr, "no size class had more than one candidate to try: the test measures nothing");
+
+    auto second_group = group("second");
+    AcceleratorOptions second = test_options("_tuned");
+    second.group = second_group.get();
+    second.resume = true;
+    std::string after_one_step;
+    const JobResult part2 = state_job(second, 12, [&](Accelerator& a) {
+      if (a.global_step() != 21) return;
+      for (const auto& d : second_group->tuned_allreduce()) {
+        if (d.min_bytes == tried->min_bytes && d.ranks == tried->ranks) {
+          after_one_step = d.chosen;
+          for (const auto& [name, us] : d.measured_us) {
+            bool same = false;
+            for (const auto& m : tried->measured_us) same = same || (m.first == name && m.second == us);
+            if (!same) after_one_step += " (measured_us differ: " + name + ")";
+          }
+        }
+      }
+    });
+    require(after_one_step == tried->chosen, "after the resumed run's first step its class holds '" + after_one_step +
+                                                 "', expected the saved decision '" + tried->chosen + "'");
+    require_same(part2.trace, {part1.trace.begin() + 20, part1.trace.end()}, "after resuming at step 20");
+    require(at::equal(part2.parameters, part1.parameters), "final parameters differ from the first attempt's");
   }), "");
 }
 
