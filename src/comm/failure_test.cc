@@ -416,20 +416,30 @@ TEST(TcpMismatch, TunedOnOneRankOnlyFailsAtOnceNamingTheOption) {
 
 // keep_tuned_allreduce with different decisions on different ranks (e.g. each loaded another saved
 // state): the class's first allreduce fails on every rank within moments, naming the call; and so
-// does a rank that kept decisions facing one that kept none.
+// do ranks that kept a decision facing ranks that kept none (every rank checks every class's first
+// call, so none waits on a partner that took other steps).
 TEST(TcpMismatch, KeptTunedDecisionsThatDifferFailAtOnceOnEveryRank) {
-  for (const bool one_keeps_none : {false, true}) {
-    SCOPED_TRACE(one_keeps_none ? "rank 1 keeps nothing" : "rank 0 keeps the ring, the others Rabenseifner");
-    auto reports = testing::run_ranks_independent(3, [&](int rank, int w) -> std::string {
+  struct Case {
+    const char* what;
+    int world;
+    std::function<const char*(int rank)> keeps;  // nullptr: keeps nothing
+  };
+  const Case cases[] = {
+      {"rank 0 keeps the ring, the others Rabenseifner", 3, [](int r) { return r == 0 ? "ring" : "rabenseifner"; }},
+      {"ranks 0 and 1 keep Rabenseifner, 2 and 3 nothing", 4, [](int r) { return r < 2 ? "rabenseifner" : nullptr; }},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    auto reports = testing::run_ranks_independent(c.world, [&](int rank, int w) -> std::string {
       ProcessGroupOptions o;
       o.timeout = milliseconds(20000);
       o.transport = "tcp";
       o.allreduce_algorithm = "tuned";
       auto pg = connect_process_group("env://", rank, w, o);
-      if (!(one_keeps_none && rank == 1)) {
-        pg->keep_tuned_allreduce({{w, 2048, 4095, {}, rank == 0 ? "ring" : "rabenseifner"}});
-      }
-      std::vector<float> v(1000, static_cast<float>(rank + 1));  // 4000 bytes
+      if (const char* keep = c.keeps(rank)) pg->keep_tuned_allreduce({{w, 1 << 20, (2 << 20) - 1, {}, keep}});
+      // 1 MiB: a class whose first trial is the ring (on loopback's model), whose partners are not
+      // recursive doubling's.
+      std::vector<float> v(1 << 18, static_cast<float>(rank + 1));
       const std::string r = outcome([&] { pg->allreduce(v.data(), v.size(), DataType::kFloat32)->wait(); });
       return r == "ok" ? "the allreduce ran (sum " + std::to_string(v.back()) + ")" : r;
     });

@@ -48,20 +48,22 @@ void MeasuredAllreduce::run(transport::Transport& t, Scratch& s, const Tuning& t
   AllreduceAlgorithm algorithm;
   plan::Trial trial;
   bool trying = false;
-  bool check_kept = false;  // the first call of a kept class: do all ranks keep the same?
+  bool first = false;  // the class's first call here: do all ranks keep the same decision (or none)?
+  int kept = -1;       // the kept decision's algorithm, -1 for none
   int index = 0;
   int n_candidates = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto [it, fresh] = classes_.try_emplace({ranks, cls});
     Class& c = it->second;
+    first = fresh;
     if (fresh) {
       if (auto k = kept_.find({ranks, cls}); k != kept_.end()) {
         c.candidates = k->second.candidates;
         c.agreed_us = k->second.agreed_us;
         c.chosen = k->second.chosen;
         c.done = true;
-        check_kept = true;
+        kept = static_cast<int>(c.chosen);
       } else {
         c.candidates = plan::tuning_candidates(bytes, count, ranks, tune.link);
         c.us.resize(c.candidates.size());
@@ -81,9 +83,10 @@ void MeasuredAllreduce::run(transport::Transport& t, Scratch& s, const Tuning& t
       algorithm = c.candidates[static_cast<size_t>(trial.candidate)];
     }
   }
-  if (check_kept) {
-    // Every rank's kept algorithm, as its enum value: the largest and (negated) the smallest.
-    double v[2] = {static_cast<double>(algorithm), -static_cast<double>(algorithm)};
+  if (first) {
+    // On every rank, at every class's first call (so that all ranks take the same steps whatever
+    // they kept): every rank's kept algorithm, -1 for none, as the largest and (negated) smallest.
+    double v[2] = {static_cast<double>(kept), -static_cast<double>(kept)};
     wire::Call agree = call;
     agree.dtype = DataType::kFloat64;
     agree.reduce_op = ReduceOp::kMax;
@@ -91,15 +94,17 @@ void MeasuredAllreduce::run(transport::Transport& t, Scratch& s, const Tuning& t
     agree.arg = wire::kKeptTunedCheckArg;
     allreduce_recursive_doubling(t, s, tune, agree, v, 2, DataType::kFloat64, ReduceOp::kMax);
     if (v[0] != -v[1]) {
-      const auto mine = static_cast<double>(algorithm);
-      const auto other = static_cast<AllreduceAlgorithm>(static_cast<int>(v[0] != mine ? v[0] : -v[1]));
+      auto name = [](int a) {
+        return a < 0 ? std::string("none") : std::string(to_string(static_cast<AllreduceAlgorithm>(a)));
+      };
+      const int other = static_cast<int>(v[0]) != kept ? static_cast<int>(v[0]) : static_cast<int>(-v[1]);
       const plan::ByteRange range = plan::size_class_bytes(cls);
       throw MismatchError("chorus: rank " + std::to_string(t.rank()) + ": " + wire::describe(call) +
-                          ": allreduce \"tuned\" kept " + to_string(algorithm) + " for " + bytes_label(range.min_bytes) +
+                          ": allreduce \"tuned\" kept " + name(kept) + " for " + bytes_label(range.min_bytes) +
                           " up to " + bytes_label(range.max_bytes + 1) + " over " + std::to_string(ranks) +
-                          " ranks, and another rank kept " + to_string(other) +
+                          " ranks, and another rank kept " + name(other) +
                           "; keep_tuned_allreduce must be given the same decisions on every rank (e.g. all "
-                          "ranks load the same saved state)");
+                          "ranks load the same saved state), before the allreduces they are for");
     }
   }
   // A later call of the class may have too few elements for the kept algorithm (another dtype):
@@ -153,7 +158,7 @@ void MeasuredAllreduce::keep(const std::vector<TunedAllreduce>& decisions) {
     const plan::ByteRange range = plan::size_class_bytes(cls);
     const std::string which = "keep_tuned_allreduce: the decision for " + std::to_string(d.min_bytes) + " to " +
                               std::to_string(d.max_bytes) + " bytes over " + std::to_string(d.ranks) + " ranks";
-    if (d.ranks < 1 || d.min_bytes == 0 || range.min_bytes != d.min_bytes || range.max_bytes != d.max_bytes) {
+    if (d.ranks < 1 || range.min_bytes != d.min_bytes || range.max_bytes != d.max_bytes) {
       throw UsageError("chorus: " + which + " is not one of tuned_allreduce()'s size classes (bytes from a power of "
                        "two up to the next, at least one rank); pass back what tuned_allreduce() returned");
     }

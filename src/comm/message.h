@@ -67,9 +67,9 @@ struct Call {
   int64_t arg = 0;
 };
 
-// Call::arg of the small allreduce with which the first call of a size class whose "tuned"
-// decision was kept (ProcessGroup::keep_tuned_allreduce) checks that every rank kept the same: a
-// rank that kept nothing meets it as a mismatch that names keep_tuned_allreduce.
+// Call::arg of the small allreduce with which "tuned" checks, at the first call of each size class,
+// that every rank kept the same decision for it (ProcessGroup::keep_tuned_allreduce), or none: a
+// rank that does not run "tuned" meets it as a mismatch that names the option.
 constexpr int64_t kKeptTunedCheckArg = 0x6b657074;  // "kept"
 
 Header make_header(const Call& call, uint64_t payload);

@@ -2,10 +2,12 @@
 // checkpoint's extra fields, the step, each loader's position, the schedulers' step counts, the
 // learning rates, the registered user objects and allreduce "tuned"'s decisions (docs/checkpoint.md);
 // load_state puts them back, moving each loader's position when the world size or batch size changed.
+#include <algorithm>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
 #include "accelerator_internal.h"
+#include "chorus/torch/distributed.h"
 #include "chorus/train/checkpoint.h"
 
 namespace chorus::train {
@@ -127,7 +129,15 @@ std::string Accelerator::save_state() {
     st.extra["optimizer.0.lrs"] = lrs.dump();
   }
   if (scaler_) st.extra["grad_scaler"] = scaler_->state();
-  if (const auto tuned = group_->tuned_allreduce(); !tuned.empty()) st.extra["allreduce.tuned"] = tuned_to_json(tuned);
+  {
+    // Every rank's decisions, by rank (under hybrid each host's rail measured its own).
+    const std::vector<std::string> tuned = dist::all_gather_object(tuned_to_json(group_->tuned_allreduce()), group_);
+    if (std::any_of(tuned.begin(), tuned.end(), [](const std::string& t) { return t != "[]"; })) {
+      std::string all = "[";
+      for (size_t r = 0; r < tuned.size(); ++r) all += (r == 0 ? "" : ",") + tuned[r];
+      st.extra["allreduce.tuned"] = all + "]";
+    }
+  }
   for (const auto& u : user_objects_) st.extra["user." + u.name] = to_hex(u.save());
 
   auto module = state_module(models_);
@@ -164,6 +174,25 @@ bool Accelerator::load_state(const std::string& dir) {
     timing_->elapsed_offset = std::stod(it->second) - seconds_between(timing_->created, Clock::now());
   }
   const int64_t saved_world = extra_int(*st, "accelerator.world_size", world_size_);
+  if (auto it = st->extra.find("allreduce.tuned"); it != st->extra.end()) {
+    // What "tuned" kept before the save, kept again, each rank its own: the resumed steps sum as
+    // the first attempt's did. At another world size the job measures afresh.
+    try {
+      const auto all = nlohmann::json::parse(it->second);
+      if (!all.is_array() || static_cast<int64_t>(all.size()) != saved_world) {
+        throw UsageError("not one list of decisions per rank of the " + std::to_string(saved_world) + " that saved it");
+      }
+      if (saved_world == world_size_) {
+        group_->keep_tuned_allreduce(tuned_from_json(all.at(static_cast<size_t>(rank_)).dump()));
+      } else {
+        notice("note: allreduce \"tuned\" measures its algorithms afresh: the state was saved by " +
+               std::to_string(saved_world) + " rank(s), this run has " + std::to_string(world_size_));
+      }
+    } catch (const std::exception& e) {
+      throw UsageError(who() + ": load_state: the state's allreduce.tuned is not what save_state writes (" + e.what() +
+                       "); " + from + " was written by something else or damaged");
+    }
+  }
   const int64_t saved_loaders = extra_int(*st, "accelerator.loaders", 0);
   for (size_t i = 0; i < loaders_.size() && static_cast<int64_t>(i) < saved_loaders; ++i) {
     auto& l = *loaders_[i];
@@ -206,18 +235,6 @@ bool Accelerator::load_state(const std::string& dir) {
     }
   }
   if (auto it = st->extra.find("grad_scaler"); it != st->extra.end() && scaler_) scaler_->load_state(it->second);
-  if (auto it = st->extra.find("allreduce.tuned"); it != st->extra.end()) {
-    // What "tuned" kept before the save, kept again: the resumed steps sum as the original's did.
-    // Decisions for another world size are never used (their classes count other ranks).
-    std::vector<TunedAllreduce> tuned;
-    try {
-      tuned = tuned_from_json(it->second);
-    } catch (const nlohmann::json::exception& e) {
-      throw UsageError(who() + ": load_state: the state's allreduce.tuned is not what save_state writes (" + e.what() +
-                       "); " + from + " was written by something else or damaged");
-    }
-    group_->keep_tuned_allreduce(tuned);
-  }
   for (const auto& u : user_objects_) {
     if (auto it = st->extra.find("user." + u.name); it != st->extra.end()) u.load(from_hex(it->second));
   }

@@ -150,11 +150,12 @@ class ProcessGroup {
   // allreduce_algorithm "tuned": keep these decisions (tuned_allreduce() of an earlier run of the
   // job, e.g. from the Accelerator's saved state) instead of measuring their size classes again,
   // so that a resumed run sums with the algorithms the original kept, bit for bit. Every rank passes
-  // the same decisions, before the allreduces of those classes; a class already started here keeps
-  // what it has, and decisions for another group size are never used. The first allreduce of a kept
-  // class checks (one small allreduce) that every rank kept the same algorithm: MismatchError on
-  // every rank otherwise. No effect for the other algorithms. UsageError for a decision whose byte
-  // range is not a size class of tuned_allreduce() or that names no algorithm. Any thread.
+  // the same decisions (under hybrid: each rank its own rail's), before the allreduces of those
+  // classes; a class already started here keeps what it has, and a decision is used only by a
+  // transport of its `ranks`. The first allreduce of every class checks (one small allreduce, on
+  // every rank) that all ranks kept the same decision for it, or none: MismatchError on every rank
+  // otherwise. No effect for the other algorithms. UsageError for a decision whose byte range is not
+  // one of tuned_allreduce()'s size classes or that names no algorithm. Any thread.
   void keep_tuned_allreduce(const std::vector<TunedAllreduce>& decisions);
 
   std::shared_ptr<Work> allreduce(void* data, size_t count, DataType dtype, ReduceOp op = ReduceOp::kSum);
