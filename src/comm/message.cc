@@ -70,8 +70,8 @@ std::string describe_fields(OpType op, uint64_t seq, uint8_t dtype, uint8_t redu
   }
   if (has_root(op)) out << ", root " << arg;
   if (op == OpType::kAllreduce && arg == kKeptTunedCheckArg) {
-    out << "; the first of its size under allreduce_algorithm \"tuned\": the check that every rank runs "
-           "tuned with the same decisions kept by keep_tuned_allreduce, or none";
+    out << "; the first of its size under allreduce_algorithm \"tuned\" (CHORUS_ALLREDUCE_ALGORITHM): the "
+           "check that every rank runs tuned with the same decisions kept by keep_tuned_allreduce, or none";
   }
   out << ")";
   return out.str();
