@@ -198,9 +198,13 @@ TEST(TunedAllreduce, KeptDecisionsRunFromTheFirstCallAndSumAsThatAlgorithmForced
     o.allreduce_algorithm = "rabenseifner";
     o.group_name = "forced-rabenseifner";
     auto rabenseifner = connect_process_group("env://", rank, w, o);
+    auto values = [&](size_t count) {  // sums whose rounding depends on the order of addition
+      std::vector<float> v(count);
+      for (size_t i = 0; i < count; ++i) v[i] = 0.1f * static_cast<float>(rank + 1) + 1e-3f * static_cast<float>(i % 977);
+      return v;
+    };
     auto same_sums = [&](size_t count, ProcessGroup& forced) {
-      std::vector<float> a(count), b(count);
-      for (size_t i = 0; i < count; ++i) a[i] = b[i] = 0.1f * static_cast<float>(rank + 1) + 1e-3f * static_cast<float>(i % 977);
+      std::vector<float> a = values(count), b = values(count);
       tuned->allreduce(a.data(), count, DataType::kFloat32)->wait();
       forced.allreduce(b.data(), count, DataType::kFloat32)->wait();
       if (std::memcmp(a.data(), b.data(), count * sizeof(float)) != 0) {
@@ -210,8 +214,7 @@ TEST(TunedAllreduce, KeptDecisionsRunFromTheFirstCallAndSumAsThatAlgorithmForced
     };
     same_sums(20000, *ring);       // 80 000 B
     {  // which matters: on these values the ring and Rabenseifner differ in the last bits
-      std::vector<float> a(20000), b(20000);
-      for (size_t i = 0; i < a.size(); ++i) a[i] = b[i] = 0.1f * static_cast<float>(rank + 1) + 1e-3f * static_cast<float>(i % 977);
+      std::vector<float> a = values(20000), b = values(20000);
       ring->allreduce(a.data(), a.size(), DataType::kFloat32)->wait();
       rabenseifner->allreduce(b.data(), b.size(), DataType::kFloat32)->wait();
       if (std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0) {

@@ -49,9 +49,9 @@ std::string tuned_to_json(const std::vector<TunedAllreduce>& decisions) {
   return out.dump();
 }
 
-std::vector<TunedAllreduce> tuned_from_json(const std::string& text) {
+std::vector<TunedAllreduce> tuned_from_json(const nlohmann::json& decisions) {
   std::vector<TunedAllreduce> out;
-  for (const auto& j : nlohmann::json::parse(text)) {
+  for (const auto& j : decisions) {
     TunedAllreduce d;
     d.ranks = j.at("ranks").get<int>();
     d.min_bytes = j.at("min_bytes").get<size_t>();
@@ -130,7 +130,8 @@ std::string Accelerator::save_state() {
   }
   if (scaler_) st.extra["grad_scaler"] = scaler_->state();
   {
-    // Every rank's decisions, by rank (under hybrid each host's rail measured its own).
+    // Every rank's decisions, by rank (under hybrid each host's rail measured its own). Gathered on
+    // every save, tuned or not: whether a rank has decisions is not a condition all ranks can see.
     const std::vector<std::string> tuned = dist::all_gather_object(tuned_to_json(group_->tuned_allreduce()), group_);
     if (std::any_of(tuned.begin(), tuned.end(), [](const std::string& t) { return t != "[]"; })) {
       std::string all = "[";
@@ -183,7 +184,7 @@ bool Accelerator::load_state(const std::string& dir) {
         throw UsageError("not one list of decisions per rank of the " + std::to_string(saved_world) + " that saved it");
       }
       if (saved_world == world_size_) {
-        group_->keep_tuned_allreduce(tuned_from_json(all.at(static_cast<size_t>(rank_)).dump()));
+        group_->keep_tuned_allreduce(tuned_from_json(all.at(static_cast<size_t>(rank_))));
       } else {
         notice("note: allreduce \"tuned\" measures its algorithms afresh: the state was saved by " +
                std::to_string(saved_world) + " rank(s), this run has " + std::to_string(world_size_));
