@@ -5,7 +5,10 @@ gloo's, the algorithm a `chorus-tuned` run measured and kept for the size, and, 
 allreduce algorithms ran forced one by one (chorus-ring, chorus-recursive_doubling,
 chorus-rabenseifner), each other chorus system's time over the fastest of them, and the forced
 time of the algorithm chorus-tuned kept over the fastest (how good its pick is, apart from the noise
-of its own run).
+of its own run). Runs that compared the algorithms in one job (chorus-onejob) get a table of their
+own: each algorithm's p50, the plan's and tuned's time over the fastest forced algorithm's of the
+same job (the median over rounds of each round's ratio), and in each round the forced time of the
+algorithm tuned kept over the fastest.
 
     multihost_report.py DIR      (DIR holds N-RATE-SYSTEM-OP-PART.json; SYSTEM may hold dashes)
 
@@ -33,17 +36,64 @@ def link_gbps(rate):
 
 
 def load(directory):
-    """{(hosts, rate, op, bytes): {system: record}} from every result file in directory."""
-    runs = {}
+    """({(hosts, rate, op, bytes): {system: record}}, {(hosts, rate, op, bytes): [{algorithm: record}]})
+    from every result file in directory: the runs of one system per job, and the jobs that compared
+    algorithms (one dict per job)."""
+    runs, onejob = {}, {}
     for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
         parts = os.path.basename(path)[:-len(".json")].split("-")
         if len(parts) < 5 or not parts[0].isdigit():
             continue
         n, rate, op, system = int(parts[0]), parts[1], parts[-2], "-".join(parts[2:-2])
         with open(path) as f:
-            for rec in json.load(f):
-                runs.setdefault((n, rate, op, rec["bytes"]), {}).setdefault(system, []).append(rec)
-    return {key: {system: median_run(recs) for system, recs in by_system.items()} for key, by_system in runs.items()}
+            records = json.load(f)
+        jobs = {}
+        for rec in records:
+            key = (n, rate, op, rec["bytes"])
+            if rec.get("compared_in_one_job"):
+                jobs.setdefault(key, {})[rec["allreduce_algorithm"]] = rec
+            else:
+                runs.setdefault(key, {}).setdefault(system, []).append(rec)
+        for key, job in jobs.items():
+            onejob.setdefault(key, []).append(job)
+    return {key: {system: median_run(recs) for system, recs in by_system.items()} for key, by_system in runs.items()}, onejob
+
+
+def median(values):
+    """The median (the lower middle one of an even count); None for none."""
+    ordered = sorted(v for v in values if v is not None)
+    return ordered[(len(ordered) - 1) // 2] if ordered else None
+
+
+ALGORITHMS = ["ring", "recursive_doubling", "rabenseifner"]
+
+
+def onejob_table(onejob):
+    """The algorithms compared in one job: each one's p50 (median over jobs), and the plan's and
+    tuned's time over the fastest forced algorithm's of the same job (median over jobs, and each
+    job's)."""
+    headers = ["hosts", "link", "op", "size", "jobs", "ring us", "RD us", "Rab us", "plan us", "tuned us",
+               "fastest forced", "plan / fastest", "tuned / fastest", "tuned kept", "tuned's pick forced / fastest",
+               "plan / fastest, each job"]
+    table = []
+    for key in sorted(onejob, key=lambda k: (k[0], -(link_gbps(k[1]) or 1e9), k[2], k[3])):
+        n, rate, op, size = key
+        jobs = onejob[key]
+        p50 = {a: median(j.get(a, {}).get("p50_us") for j in jobs) for a in ALGORITHMS + ["auto", "tuned"]}
+        fastest = [min((a for a in ALGORITHMS if a in j), key=lambda a: j[a]["p50_us"], default=None) for j in jobs]
+        per_job = [ratio(j.get("auto", {}).get("p50_us"), j[f]["p50_us"]) if f else None for j, f in zip(jobs, fastest)]
+        tuned = [ratio(j.get("tuned", {}).get("p50_us"), j[f]["p50_us"]) if f else None for j, f in zip(jobs, fastest)]
+        winners = sorted(set(f for f in fastest if f))
+        kept = [j.get("tuned", {}).get("tuned_choice") or "-" for j in jobs]
+        # The pick apart from its own group's noise: the forced time of the algorithm tuned kept,
+        # over the fastest forced time, in the same job.
+        pick = [ratio(j.get(k, {}).get("p50_us"), j[f]["p50_us"]) if f else None for j, k, f in zip(jobs, kept, fastest)]
+        table.append([str(n), rate, op, size_label(size), str(len(jobs))] +
+                     [fmt(p50[a], "%.0f") for a in ALGORITHMS + ["auto", "tuned"]] +
+                     [", ".join(winners) or "-", fmt(median(per_job), "%.2f"),
+                      fmt(median(tuned), "%.2f"), ", ".join(kept),
+                      " ".join(fmt(x, "%.2f") for x in pick), " ".join(fmt(x, "%.2f") for x in per_job)])
+    return markdown_table(headers, table)
 
 
 def median_run(records):
@@ -53,7 +103,13 @@ def median_run(records):
 
 
 def main():
-    rows = load(sys.argv[1])
+    rows, onejob = load(sys.argv[1])
+    if onejob:
+        print("Algorithms compared in one job (chorus-onejob):\n")
+        print(onejob_table(onejob))
+        print()
+    if not rows:
+        return
     systems = sorted({s for r in rows.values() for s in r})
     others = [s for s in systems if s != "gloo"] if "gloo" in systems else []
     headers = ["hosts", "link", "op", "size"]

@@ -1,6 +1,7 @@
 #!/usr/bin/python3
 """bench/multihost at its smallest: two namespace hosts on a 100 Mbit/s link (tc tbf), chorus's
-allreduce at 256 KiB and 1 MiB, by the plan and "tuned". The runs must finish with correct results,
+allreduce at 256 KiB and 1 MiB, by the plan and "tuned", and every algorithm compared in one job
+(chorus-onejob). The runs must finish with correct results,
 write their files and table (with the setup's time and descriptors, and the algorithm "tuned" kept) and the run's network counters, and at 1 MiB reach 60-110% of the link rate (less: the shaping or the benchmark is broken;
 more: the link was not shaped). Exit 77 (skipped) where namespaces cannot be made.
 
@@ -19,7 +20,7 @@ HERE = os.path.dirname(os.path.realpath(__file__))
 def main():
     with tempfile.TemporaryDirectory(prefix="chorus-multihost-test-") as out:
         p = subprocess.run([os.path.join(HERE, "multihost"), "--hosts", "2", "--rates", "100mbit", "--sizes", "256K,1M",
-                            "--systems", "chorus-tcp,chorus-tuned", "--seconds", "0.3", "--out", out, "--bin", sys.argv[1],
+                            "--systems", "chorus-tcp,chorus-tuned,chorus-onejob", "--seconds", "0.3", "--out", out, "--bin", sys.argv[1],
                             "--timeout", "120"], capture_output=True, text=True, timeout=240)
         print(p.stdout + p.stderr)
         if p.returncode == 2 and "cannot make" in p.stderr:
@@ -61,6 +62,17 @@ def main():
             problems.append("chorus-tuned: wrong results or no kept algorithm: %s" % tuned)
         if "chorus-tuned picked" not in summary:
             problems.append("summary.md lacks the chorus-tuned picked column")
+        # chorus-onejob: one record per size and algorithm from one job, each right and marked as
+        # compared; its own table, with the plan's time over the fastest forced one of the job.
+        with open(os.path.join(out, "2-100mbit-chorus-onejob-allreduce-small.json")) as f:
+            onejob = [(r["bytes"], r["allreduce_algorithm"]) for r in json.load(f)
+                      if r["correct"] and r["compared_in_one_job"] and r["world_size"] == 2]
+        compared = ["ring", "recursive_doubling", "rabenseifner", "auto", "tuned"]
+        if sorted(onejob) != sorted((b, a) for b in (256 << 10, 1 << 20) for a in compared):
+            problems.append("chorus-onejob: wrong results or not every algorithm at every size: %s" % onejob)
+        row = re.search(r"^\| 2 \| 100mbit \| allreduce \| 1 MiB \| 1 \|(?: [^|]+ \|){6} ([0-9.]+) \|", summary, re.M)
+        if "Algorithms compared in one job" not in summary or not row or not 0.5 < float(row.group(1)) < 2:
+            problems.append("summary.md lacks the one-job table or its plan / fastest figure at 1 MiB")
         for problem in problems:
             print("FAIL: " + problem)
         print("busbw at 1 MiB: %.0f%% of the link" % (100 * share))

@@ -17,7 +17,10 @@
 #include "chorus/comm/error.h"
 #include "chorus/comm/mpi.h"
 #include "chorus/comm/process_group.h"
+#include "chorus/comm/rendezvous.h"
+#include "chorus/comm/signals.h"
 #include "chorus/comm/spawn.h"
+#include "chorus/comm/store.h"
 
 namespace chorus::tools {
 namespace {
@@ -150,6 +153,15 @@ std::string human(size_t bytes) {
   return buf;
 }
 
+// --allreduce-algorithm: one algorithm, or a comma-separated list to compare in one job.
+std::vector<std::string> algorithms(const BenchArgs& a) {
+  std::vector<std::string> out;
+  std::stringstream in(a.allreduce_algorithm);
+  std::string item;
+  while (std::getline(in, item, ',')) out.push_back(item);
+  return out;
+}
+
 ProcessGroupOptions group_options(const BenchArgs& a, int rank, int world) {
   ProcessGroupOptions o;
   o.timeout = std::chrono::milliseconds(static_cast<int64_t>(a.timeout_s * 1000));
@@ -180,29 +192,40 @@ int64_t iteration_count(const BenchArgs& a, Case& c, ProcessGroup& pg) {
   return iters;
 }
 
-// This rank's times of `iters` runs (us); *correct says whether every checked result was right
-// (with --check every run's, else one run's after them).
-std::vector<double> time_runs(const BenchArgs& a, Case& c, int64_t iters, bool* correct) {
-  std::vector<double> times;
-  times.reserve(static_cast<size_t>(iters));
-  *correct = true;
+// This rank's times of `iters` runs of each case (us), cases[k]'s in times[k]; (*correct)[k] says
+// whether every checked result of cases[k] was right (with --check every run's, else one run's
+// after them). Several cases (algorithms compared in one job) take turns call by call, the first
+// of each turn rotating, so that a slow spell of the machine or of the job's placement on its
+// cores falls on every case alike.
+std::vector<std::vector<double>> time_runs(const BenchArgs& a, const std::vector<Case*>& cases, int64_t iters,
+                                           std::vector<bool>* correct) {
+  const size_t k = cases.size();
+  std::vector<std::vector<double>> times(k);
+  for (auto& t : times) t.reserve(static_cast<size_t>(iters));
+  correct->assign(k, true);
   for (int64_t i = 0; i < iters; ++i) {
-    if (a.check) {
-      // Outside the timed region. Filling and verifying take each rank its own time (8 ranks on 2
-      // cores: tens of ms at 64 MiB), so the ranks start the next call together, from a barrier,
-      // as bench/multihost_gloo.py does; else a rank's time includes a late peer's fill.
-      c.fill();
-      c.barrier();
+    for (size_t turn = 0; turn < k; ++turn) {
+      const size_t j = (static_cast<size_t>(i) + turn) % k;
+      Case& c = *cases[j];
+      if (a.check) {
+        // Outside the timed region. Filling and verifying take each rank its own time (8 ranks on 2
+        // cores: tens of ms at 64 MiB), so the ranks start the next call together, from a barrier,
+        // as bench/multihost_gloo.py does; else a rank's time includes a late peer's fill.
+        c.fill();
+        c.barrier();
+      }
+      auto t0 = Clock::now();
+      c.run();
+      times[j].push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+      if (a.check) (*correct)[j] = c.verify() && (*correct)[j];
     }
-    auto t0 = Clock::now();
-    c.run();
-    times.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
-    if (a.check) *correct = c.verify() && *correct;
   }
-  if (!a.check) {  // at least one result is always checked
-    c.fill();
-    c.run();
-    *correct = c.verify();
+  if (!a.check) {  // at least one result of each case is always checked
+    for (size_t j = 0; j < k; ++j) {
+      cases[j]->fill();
+      cases[j]->run();
+      (*correct)[j] = cases[j]->verify();
+    }
   }
   return times;
 }
@@ -247,11 +270,10 @@ int open_fds() {
   return n - 3;  // ".", ".." and the directory's own descriptor
 }
 
-// Whether allreduce runs "tuned": asked for, or "auto" replaced by CHORUS_ALLREDUCE_ALGORITHM.
-bool tuned(const BenchArgs& a) {
+// Whether allreduce `algo` runs "tuned": asked for, or "auto" replaced by CHORUS_ALLREDUCE_ALGORITHM.
+bool tuned(const std::string& algo) {
   const char* env = std::getenv("CHORUS_ALLREDUCE_ALGORITHM");
-  return a.allreduce_algorithm == "tuned" ||
-         (a.allreduce_algorithm == "auto" && env != nullptr && std::string(env) == "tuned");
+  return algo == "tuned" || (algo == "auto" && env != nullptr && std::string(env) == "tuned");
 }
 
 // The algorithm "tuned" chose for allreduces of `bytes` over the whole group; "" when none did.
@@ -262,54 +284,96 @@ std::string tuned_choice(const ProcessGroup& pg, size_t bytes) {
   return "";
 }
 
-std::shared_ptr<ProcessGroup> connect_timed(const BenchArgs& a, int rank, int world, SetupCost* cost) {
+// The job's groups, one per algorithm of --allreduce-algorithm, and what setting them up cost this
+// rank. One algorithm: connect_process_group, as a user's program does. Several, compared in one
+// job: one rendezvous and a group each on its store (group names "bench-<algorithm>"), set up as
+// connect_process_group sets up its one.
+std::vector<std::shared_ptr<ProcessGroup>> connect_timed(const BenchArgs& a, int rank, int world, SetupCost* cost) {
   const auto t0 = Clock::now();
-  auto pg = connect_process_group("env://", rank, world, group_options(a, std::max(rank, 0), std::max(world, 1)));
+  std::vector<std::shared_ptr<ProcessGroup>> groups;
+  const std::vector<std::string> algos = algorithms(a);
+  ProcessGroupOptions o = group_options(a, std::max(rank, 0), std::max(world, 1));
+  if (algos.size() == 1) {
+    groups.push_back(connect_process_group("env://", rank, world, o));
+  } else {
+    RendezvousOptions ro;
+    ro.timeout = o.timeout;
+    Rendezvous rv = rendezvous("env://", rank, world, ro);
+    if (!rv.error_file.empty()) install_error_file_handler(rv.error_file.c_str(), rv.rank);
+    if (!rv.store_prefix.empty()) rv.store = std::make_shared<PrefixStore>(rv.store_prefix, rv.store);
+    if (o.transport == "auto" && !rv.transport.empty()) o.transport = rv.transport;
+    o.token = rv.token;
+    o.advertise_host = rv.local_address;
+    for (const std::string& algo : algos) {
+      o.allreduce_algorithm = algo;
+      o.group_name = "bench-" + algo;
+      groups.push_back(std::make_shared<ProcessGroup>(rv.store, rv.rank, rv.world_size, o));
+    }
+  }
   cost->seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   cost->fds = open_fds();
-  return pg;
+  return groups;
 }
 
-void rank_main(const BenchArgs& a, std::shared_ptr<ProcessGroup> pg, SetupCost setup = {}) {
-  const int rank = pg->rank(), world = pg->size();
+// Runs every size on this rank: on the job's one group, or on each of its groups (algorithms
+// compared in one job) in turns, a record per group.
+void rank_main(const BenchArgs& a, std::vector<std::shared_ptr<ProcessGroup>> groups, SetupCost setup = {}) {
+  ProcessGroup& pg = *groups.front();
+  const int rank = pg.rank(), world = pg.size();
   nlohmann::json records = nlohmann::json::array();
   bool all_correct = true;
   double slowest[2] = {setup.seconds, setup.fds};  // the slowest rank's setup, the most descriptors
-  pg->allreduce(slowest, 2, DataType::kFloat64, ReduceOp::kMax)->wait();
+  pg.allreduce(slowest, 2, DataType::kFloat64, ReduceOp::kMax)->wait();
+  const bool compared = groups.size() > 1;
   if (rank == 0 && !a.quiet) {
     std::printf("# chorus bench %s: world_size %d, transport %s (%s), dtype float32, in place\n", a.op.c_str(),
-                world, pg->transport().c_str(), a.transport.c_str());
+                world, pg.transport().c_str(), a.transport.c_str());
+    if (compared) {
+      std::printf("# allreduce algorithms %s compared in one job, call by call in turns\n",
+                  a.allreduce_algorithm.c_str());
+    }
     std::printf("# setup: slowest rank %.3f s; at most %.0f file descriptors per rank\n", slowest[0], slowest[1]);
-    std::printf("# %10s %12s %8s %11s %11s %11s %11s %8s\n", "size", "count", "iters", "p50(us)", "p99(us)",
-                "algbw(GB/s)", "busbw(GB/s)", "correct");
+    std::printf("# %10s %12s %8s %11s %11s %11s %11s %8s%s\n", "size", "count", "iters", "p50(us)", "p99(us)",
+                "algbw(GB/s)", "busbw(GB/s)", "correct", compared ? "  algorithm" : "");
     std::fflush(stdout);
   }
+  const std::vector<std::string> algos = algorithms(a);
   for (size_t bytes : parse_sizes(a.sizes)) {
-    Case c(*pg, a.op, bytes);
-    // "tuned" spends a size's first calls on trials: warm up past them, so only its choice is timed.
-    const int warmup = tuned(a) && a.op == "allreduce" ? std::max(a.warmup, kTunedAllreduceTrials) : a.warmup;
-    for (int i = 0; i < warmup; ++i) c.run();
-    const int64_t iters = iteration_count(a, c, *pg);
-    bool correct = true;
-    const std::vector<double> times = time_runs(a, c, iters, &correct);
-    bool ok = true;
-    const Stats worst = slowest_rank(*pg, stats(times), correct, &ok);
-    all_correct = all_correct && ok;
-    const double moved = static_cast<double>(c.bytes_moved());
-    const double algbw = worst.p50 > 0 ? moved / (worst.p50 * 1e-6) / 1e9 : 0;
-    const double busbw = algbw * bus_factor(a.op, world);
-    if (rank == 0) {
+    std::vector<std::unique_ptr<Case>> owned;
+    std::vector<Case*> cases;
+    for (auto& g : groups) {
+      owned.push_back(std::make_unique<Case>(*g, a.op, bytes));
+      cases.push_back(owned.back().get());
+    }
+    for (size_t j = 0; j < cases.size(); ++j) {
+      // "tuned" spends a size's first calls on trials: warm up past them, so only its choice is timed.
+      const bool trials = a.op == "allreduce" && tuned(algos[j]);
+      const int warmup = trials ? std::max(a.warmup, kTunedAllreduceTrials) : a.warmup;
+      for (int i = 0; i < warmup; ++i) cases[j]->run();
+    }
+    const int64_t iters = iteration_count(a, *cases.front(), pg);  // about --seconds per algorithm
+    std::vector<bool> correct;
+    const std::vector<std::vector<double>> times = time_runs(a, cases, iters, &correct);
+    for (size_t j = 0; j < cases.size(); ++j) {
+      bool ok = true;
+      const Stats worst = slowest_rank(pg, stats(times[j]), correct[j], &ok);
+      all_correct = all_correct && ok;
+      const double moved = static_cast<double>(cases[j]->bytes_moved());
+      const double algbw = worst.p50 > 0 ? moved / (worst.p50 * 1e-6) / 1e9 : 0;
+      const double busbw = algbw * bus_factor(a.op, world);
+      if (rank != 0) continue;
       if (!a.quiet) {
-        std::printf("  %10s %12zu %8lld %11.1f %11.1f %11.3f %11.3f %8s\n", human(bytes).c_str(),
+        std::printf("  %10s %12zu %8lld %11.1f %11.1f %11.3f %11.3f %8s%s%s\n", human(bytes).c_str(),
                     static_cast<size_t>(moved / sizeof(float)), static_cast<long long>(iters), worst.p50, worst.p99,
-                    algbw, busbw, ok ? "yes" : "NO");
+                    algbw, busbw, ok ? "yes" : "NO", compared ? "  " : "", compared ? algos[j].c_str() : "");
         std::fflush(stdout);
       }
       records.push_back({{"op", a.op},
-                         {"transport", pg->transport()},
+                         {"transport", groups[j]->transport()},
                          {"transport_requested", a.transport},
-                         {"allreduce_algorithm", a.allreduce_algorithm},
-                         {"tuned_choice", tuned_choice(*pg, static_cast<size_t>(moved))},
+                         {"allreduce_algorithm", algos[j]},
+                         {"compared_in_one_job", compared},
+                         {"tuned_choice", tuned_choice(*groups[j], static_cast<size_t>(moved))},
                          {"setup_s", slowest[0]},
                          {"fds_per_rank", slowest[1]},
                          {"world_size", world},
@@ -328,7 +392,7 @@ void rank_main(const BenchArgs& a, std::shared_ptr<ProcessGroup> pg, SetupCost s
   // With lazy connections a rank connects to the peers its algorithms use as it first needs them:
   // what it holds once the operations ran.
   double after = open_fds();
-  pg->allreduce(&after, 1, DataType::kFloat64, ReduceOp::kMax)->wait();
+  pg.allreduce(&after, 1, DataType::kFloat64, ReduceOp::kMax)->wait();
   if (rank == 0) {
     if (!a.quiet) std::printf("# after the operations: at most %.0f file descriptors per rank\n", after);
     for (auto& r : records) r["fds_after_ops"] = after;
@@ -385,8 +449,22 @@ void add_bench_options(CLI::App& app, BenchArgs& a) {
   app.add_option("--segment-bytes", a.segment_bytes, "ring pipeline segment size");
   app.add_option("--allreduce-algorithm", a.allreduce_algorithm,
                  "auto (chosen per size by the link model), ring, recursive_doubling, rabenseifner or tuned "
-                 "(chosen per size by measuring each; warm-up covers its trials)")
-      ->check(CLI::IsMember({"auto", "ring", "recursive_doubling", "rabenseifner", "tuned"}));
+                 "(chosen per size by measuring each; warm-up covers its trials); a comma-separated list "
+                 "compares them in one job: a group each, timed call by call in turns")
+      ->check([](const std::string& list) {
+        std::vector<std::string> seen;
+        std::stringstream in(list);
+        std::string item;
+        while (std::getline(in, item, ',')) {
+          AllreduceAlgorithm parsed;
+          if (!parse_allreduce_algorithm(item, &parsed)) {
+            return "unknown allreduce algorithm '" + item + "': auto, ring, recursive_doubling, rabenseifner or tuned";
+          }
+          if (std::find(seen.begin(), seen.end(), item) != seen.end()) return "'" + item + "' is listed twice";
+          seen.push_back(item);
+        }
+        return seen.empty() ? std::string("empty list") : std::string();
+      });
   app.add_option("--link-latency-us", a.link_latency_us, "the link model's latency for auto (0 = measured default)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--link-gbit", a.link_gbit_per_s, "the link model's bandwidth in Gbit/s for auto (0 = measured default)")
@@ -403,6 +481,11 @@ void add_bench_options(CLI::App& app, BenchArgs& a) {
 int run_bench(const BenchArgs& a) {
   parse_sizes(a.sizes);  // report bad sizes before starting any process
   TransportKind kind = TransportKind::kTcp;
+  if (algorithms(a).size() > 1 && (a.op != "allreduce" || (parse_transport(a.transport, &kind) && kind == TransportKind::kMpi))) {
+    std::fprintf(stderr, "chorus bench: a list of --allreduce-algorithm values compares allreduce algorithms in "
+                         "one job: use it with allreduce, over a transport other than mpi\n");
+    return 2;
+  }
   if (parse_transport(a.transport, &kind) && kind == TransportKind::kMpi) {
     // mpirun starts the ranks: this process is one of them.
     try {
@@ -412,7 +495,7 @@ int run_bench(const BenchArgs& a) {
                          std::to_string(a.world_size) + "; run it as mpirun -np " + std::to_string(a.world_size) +
                          " chorus bench ... --transport mpi -n " + std::to_string(a.world_size));
       }
-      rank_main(a, std::move(pg));
+      rank_main(a, {std::move(pg)});
     } catch (const Error& e) {
       std::fprintf(stderr, "chorus bench: %s\n", e.what());
       return 1;
@@ -423,8 +506,7 @@ int run_bench(const BenchArgs& a) {
     try {
       if (a.hosts > 1) throw UsageError("--launched runs on real hosts: drop --hosts");
       SetupCost cost;
-      auto pg = connect_timed(a, -1, -1, &cost);
-      rank_main(a, std::move(pg), cost);
+      rank_main(a, connect_timed(a, -1, -1, &cost), cost);
     } catch (const Error& e) {
       std::fprintf(stderr, "chorus bench: %s\n", e.what());
       return 1;
@@ -436,8 +518,7 @@ int run_bench(const BenchArgs& a) {
   try {
     spawn(a.world_size, [&](int rank, int world) {
       SetupCost cost;
-      auto pg = connect_timed(a, rank, world, &cost);
-      rank_main(a, std::move(pg), cost);
+      rank_main(a, connect_timed(a, rank, world, &cost), cost);
     }, so);
   } catch (const SpawnError& e) {
     std::fprintf(stderr, "chorus bench: %s\n", e.what());
