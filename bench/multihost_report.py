@@ -35,10 +35,10 @@ def link_gbps(rate):
     return None
 
 
-def load(directory):
-    """({(hosts, rate, op, bytes): {system: record}}, {(hosts, rate, op, bytes): [{algorithm: record}]})
-    from every result file in directory: the runs of one system per job, and the jobs that compared
-    algorithms (one dict per job)."""
+def read(directory):
+    """Every result file in directory: ({(hosts, rate, op, bytes): {system: [record]}} of the runs of
+    one system per job, {(hosts, rate, op, bytes): [{algorithm: record}]} of the jobs that compared
+    algorithms, one dict per job)."""
     runs, onejob = {}, {}
     for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
         parts = os.path.basename(path)[:-len(".json")].split("-")
@@ -56,7 +56,19 @@ def load(directory):
                 runs.setdefault(key, {}).setdefault(system, []).append(rec)
         for key, job in jobs.items():
             onejob.setdefault(key, []).append(job)
-    return {key: {system: median_run(recs) for system, recs in by_system.items()} for key, by_system in runs.items()}, onejob
+    return runs, onejob
+
+
+def load(directory):
+    """{(hosts, rate, op, bytes): {system: record}}: each system's median run per point (jobs that
+    compared algorithms are left to load_onejob)."""
+    runs, _ = read(directory)
+    return {key: {system: median_run(recs) for system, recs in by_system.items()} for key, by_system in runs.items()}
+
+
+def load_onejob(directory):
+    """{(hosts, rate, op, bytes): [{algorithm: record}]}: the jobs that compared algorithms."""
+    return read(directory)[1]
 
 
 def median(values):
@@ -103,7 +115,7 @@ def median_run(records):
 
 
 def main():
-    rows, onejob = load(sys.argv[1])
+    rows, onejob = load(sys.argv[1]), load_onejob(sys.argv[1])
     if onejob:
         print("Algorithms compared in one job (chorus-onejob):\n")
         print(onejob_table(onejob))

@@ -1,8 +1,11 @@
 #include "algorithms.h"
 
 #include <cstring>
+#include <set>
+#include <sstream>
 
 #include "chorus/comm/check.h"
+#include "chorus/comm/log.h"
 #include "measured_allreduce.h"
 #include "plan.h"
 #include "reduce.h"
@@ -130,6 +133,26 @@ void exchange_steps(Transport& t, const Tuning& tune, const wire::Call& call,
 
 }  // namespace
 
+void learn_shared_cores(Transport& t, const Tuning& tune, const wire::Call& call) {
+  const size_t n = static_cast<size_t>(t.size());
+  const plan::RankCpus mine = transport::this_rank_cpus();
+  std::vector<plan::RankCpus> all(n);
+  // The call's own fields, so that a mismatch names the caller's allreduce; its arg marks the gather.
+  wire::Call gather = call;
+  gather.arg = wire::kSharedCoresArg;
+  allgatherv(t, gather, &mine, all.data(), std::vector<size_t>(n, sizeof(plan::RankCpus)));
+  tune.cores->ranks_per_core = plan::ranks_per_core(all);
+  tune.cores->known = true;
+  std::set<uint64_t> machines;
+  for (const plan::RankCpus& r : all) machines.insert(r.machine);
+  std::ostringstream line;
+  line << "allreduce \"auto\" over " << n << " ranks on " << machines.size() << " machine(s): at most "
+       << tune.cores->ranks_per_core << " ranks a core; the plan takes a message's latency as "
+       << plan::on_shared_cores(tune.link, tune.cores->ranks_per_core).alpha_us << " us (the link's "
+       << tune.link.alpha_us << ")";
+  log(LogLevel::kDebug, line.str());
+}
+
 void allreduce(Transport& t, Scratch& s, const Tuning& tune, const wire::Call& call, void* buf,
                size_t count, DataType dtype, ReduceOp op) {
   if (t.size() == 1) {
@@ -138,12 +161,18 @@ void allreduce(Transport& t, Scratch& s, const Tuning& tune, const wire::Call& c
   if (tune.allreduce == AllreduceAlgorithm::kTuned && tune.measured) {
     return tune.measured->run(t, s, tune, call, buf, count, dtype, op);
   }
+  if (tune.allreduce == AllreduceAlgorithm::kAuto && tune.cores && !tune.cores->known) {
+    learn_shared_cores(t, tune, call);
+  }
   allreduce_by(tune.allreduce, t, s, tune, call, buf, count, dtype, op);
 }
 
 void allreduce_by(AllreduceAlgorithm algorithm, Transport& t, Scratch& s, const Tuning& tune, const wire::Call& call,
                   void* buf, size_t count, DataType dtype, ReduceOp op) {
-  switch (plan::choose_allreduce(algorithm, count * element_size(dtype), count, t.size(), tune.link)) {
+  // "auto" plans on the link as the ranks' shared cores slow it; a forced algorithm needs no model.
+  const bool shared = algorithm == AllreduceAlgorithm::kAuto && tune.cores && tune.cores->known;
+  const plan::LinkModel model = shared ? plan::on_shared_cores(tune.link, tune.cores->ranks_per_core) : tune.link;
+  switch (plan::choose_allreduce(algorithm, count * element_size(dtype), count, t.size(), model)) {
     case AllreduceAlgorithm::kRing: return allreduce_ring(t, s, tune, call, buf, count, dtype, op);
     case AllreduceAlgorithm::kRabenseifner: return allreduce_rabenseifner(t, s, tune, call, buf, count, dtype, op);
     default: return allreduce_recursive_doubling(t, s, tune, call, buf, count, dtype, op);

@@ -19,6 +19,14 @@ namespace chorus::algo {
 
 class MeasuredAllreduce;
 
+// allreduce "auto": the most ranks per core on any machine of the group (plan::ranks_per_core),
+// learned at the group's first allreduce and charged to every step (plan::on_shared_cores). Only
+// the group's worker touches it.
+struct SharedCores {
+  bool known = false;
+  double ranks_per_core = 1;
+};
+
 struct Tuning {
   size_t segment_bytes = 1 << 20;  // ring pipeline segment
   // kAuto: plan::choose_allreduce by `link`; kTuned: `measured` tries and picks (never null then).
@@ -26,6 +34,8 @@ struct Tuning {
   std::shared_ptr<MeasuredAllreduce> measured;
   plan::BroadcastShape broadcast = plan::BroadcastShape::kAuto;  // kAuto: plan::choose_broadcast by `link`
   plan::LinkModel link = plan::default_link_model(TransportKind::kTcp);
+  // kAuto: learned at the first allreduce when set; the link's model as it is when null.
+  std::shared_ptr<SharedCores> cores;
 };
 
 // Reusable scratch memory, so steady-state calls allocate and page-fault nothing.
@@ -39,6 +49,10 @@ class Scratch {
 
 void allreduce(transport::Transport& t, Scratch& s, const Tuning& tune, const wire::Call& call,
                void* buf, size_t count, DataType dtype, ReduceOp op);
+// allreduce "auto", the group's first allreduce: every rank's machine and CPUs, gathered (one
+// allgather of 136 bytes a rank, under `call`'s fields with wire::kSharedCoresArg), into
+// tune.cores. Every rank of the group must run it at the same call.
+void learn_shared_cores(transport::Transport& t, const Tuning& tune, const wire::Call& call);
 // allreduce by `algorithm` (plan::choose_allreduce as forced: recursive doubling where it cannot
 // split the buffer; kAuto by the model).
 void allreduce_by(AllreduceAlgorithm algorithm, transport::Transport& t, Scratch& s, const Tuning& tune,

@@ -1,7 +1,9 @@
 // Conformance suite: every collective, world sizes 1..8, every dtype and op, edge sizes, on every
 // store-connected transport (the checks: collectives_checks.h; over MPI: mpi_collectives_test).
 #include <gtest/gtest.h>
+#include <sched.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -11,6 +13,7 @@
 #include <vector>
 
 #include "chorus/comm/error.h"
+#include "chorus/comm/log.h"
 #include "chorus/comm/process_group.h"
 #include "chorus/comm/rendezvous.h"
 #include "collectives_checks.h"
@@ -167,6 +170,47 @@ TEST(TunedAllreduce, RanksAgreeOnTheirChoicesAndALatencyBoundSizeAvoidsTheRing) 
     pg->allreduce(h, 2, DataType::kInt64, ReduceOp::kMax)->wait();
     if (h[0] != -h[1]) throw std::runtime_error("ranks disagree on what was tuned; this rank has\n" + text);
   }, std::chrono::seconds(60)), "");
+}
+
+// allreduce "auto" learns at the group's first allreduce how many ranks share a core: 4 ranks on
+// this machine's CPUs, then 4 ranks all pinned to CPU 0 (4 a core), each rank's debug line naming
+// the figure, the plan's raised latency, and a right sum either way.
+TEST(AutoAllreduce, LearnsHowManyRanksShareACoreAtTheFirstCall) {
+  cpu_set_t allowed;
+  ASSERT_EQ(::sched_getaffinity(0, sizeof(allowed), &allowed), 0);
+  const double cpus = CPU_COUNT(&allowed);
+  for (bool pinned : {false, true}) {
+    const int world = 4;
+    const double want = pinned ? world : std::max(1.0, world / cpus);
+    EXPECT_EQ(testing::run_ranks(world, [&](int rank, int w, std::shared_ptr<Store>) {
+      if (pinned) {
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(0, &one);
+        if (::sched_setaffinity(0, sizeof(one), &one) != 0) throw std::runtime_error("cannot pin to CPU 0");
+      }
+      std::vector<std::string> lines;
+      set_log_level(LogLevel::kDebug);
+      set_log_sink([&](LogLevel, const std::string& line) { lines.push_back(line); });
+      auto pg = connect_process_group("env://", rank, w, test_options({"tcp", w, 1}, rank, 1 << 20, "auto", false));
+      std::vector<float> v(1000, static_cast<float>(rank));
+      pg->allreduce(v.data(), v.size(), DataType::kFloat32)->wait();
+      pg->allreduce(v.data(), v.size(), DataType::kFloat32)->wait();  // learned once
+      set_log_sink(nullptr);
+      if (v.front() != 4 * 6.0f || v.back() != 4 * 6.0f) throw std::runtime_error("a wrong sum");
+      std::vector<std::string> learned;
+      for (const auto& l : lines) {
+        if (l.find("allreduce \"auto\" over 4 ranks on 1 machine(s): at most ") != std::string::npos) learned.push_back(l);
+      }
+      if (learned.size() != 1) throw std::runtime_error("expected one line on what auto learned, got " + std::to_string(learned.size()));
+      const std::string& l = learned.front();
+      const double k = std::strtod(l.c_str() + l.find("at most ") + 8, nullptr);
+      const double alpha = std::strtod(l.c_str() + l.find("latency as ") + 11, nullptr);
+      if (k != want || alpha != 15 + (want - 1) * 25) {
+        throw std::runtime_error("expected " + std::to_string(want) + " ranks a core, got: " + l);
+      }
+    }, std::chrono::seconds(60)), "") << (pinned ? "pinned to CPU 0" : "on this machine's CPUs");
+  }
 }
 
 // keep_tuned_allreduce: decisions from an earlier run are used from a class's first call, with no

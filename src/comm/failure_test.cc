@@ -414,6 +414,34 @@ TEST(TcpMismatch, TunedOnOneRankOnlyFailsAtOnceNamingTheOption) {
   }
 }
 
+// "auto" on some ranks, an algorithm forced on others: the auto ranks gather every rank's machine
+// and CPUs at the group's first allreduce, which the others do not, so that allreduce fails on every
+// rank within moments with a MismatchError naming the caller's allreduce and the option to align,
+// whatever the forced algorithm (even the one auto would have picked), never a wait for the timeout.
+TEST(TcpMismatch, AutoBesideAForcedAlgorithmFailsAtTheFirstAllreduceNamingTheOption) {
+  for (const char* forced : {"ring", "recursive_doubling", "rabenseifner"}) {
+    for (int world : {2, 3}) {
+      auto reports = testing::run_ranks_independent(world, [&](int rank, int w) -> std::string {
+        ProcessGroupOptions o;
+        o.timeout = milliseconds(20000);
+        o.transport = "tcp";
+        o.allreduce_algorithm = rank == 0 ? "auto" : forced;
+        auto pg = connect_process_group("env://", rank, w, o);
+        std::vector<float> v(1000, 1.0f);
+        return outcome([&] { pg->allreduce(v.data(), v.size(), DataType::kFloat32)->wait(); });
+      });
+      for (const auto& r : reports) {
+        SCOPED_TRACE(std::string(forced) + ", world " + std::to_string(world) + ", rank " + std::to_string(r.rank) +
+                     ": " + r.text);
+        EXPECT_EQ(r.text.rfind("MismatchError", 0), 0u);
+        EXPECT_LT(elapsed_of(r.text), 10.0);
+        EXPECT_NE(r.text.find("allreduce #0 (float32 x 1000, sum)"), std::string::npos);
+        EXPECT_NE(r.text.find("allreduce_algorithm \"auto\""), std::string::npos);
+      }
+    }
+  }
+}
+
 // keep_tuned_allreduce with different decisions on different ranks (e.g. each loaded another saved
 // state): the class's first allreduce fails on every rank within moments, naming the call; and so
 // do ranks that kept a decision facing ranks that kept none (every rank checks every class's first

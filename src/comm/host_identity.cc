@@ -1,12 +1,14 @@
 // Which ranks share a host (host_identity) and the store exchange that tells every rank where the
 // others are (exchange_announcements): the shared-memory and hybrid transports' first step.
 
+#include <sched.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 #include "chorus/comm/error.h"
 #include "chorus/comm/hash.h"
@@ -101,6 +103,28 @@ std::string host_identity() {
   };
   return read_first_line("/proc/sys/kernel/random/boot_id") + "/" + host + "/ipc:" + ns("/proc/self/ns/ipc") +
          "/pid:" + ns("/proc/self/ns/pid");
+}
+
+plan::RankCpus this_rank_cpus() {
+  plan::RankCpus me;
+  std::string machine = read_first_line("/proc/sys/kernel/random/boot_id");
+  if (machine.empty()) {
+    char host[256] = {0};
+    ::gethostname(host, sizeof(host) - 1);
+    machine = std::string("host:") + host;
+  }
+  me.machine = fnv1a64(machine);
+  static_assert(CPU_SETSIZE <= 64 * std::tuple_size_v<decltype(me.cpus)>, "RankCpus holds every CPU a set can");
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (::sched_getaffinity(0, sizeof(allowed), &allowed) != 0 || CPU_COUNT(&allowed) == 0) {
+    const unsigned n = std::max(1u, std::thread::hardware_concurrency());
+    for (unsigned c = 0; c < n && c < CPU_SETSIZE; ++c) CPU_SET(c, &allowed);
+  }
+  for (int c = 0; c < CPU_SETSIZE; ++c) {
+    if (CPU_ISSET(c, &allowed)) me.cpus[static_cast<size_t>(c / 64)] |= uint64_t{1} << (c % 64);
+  }
+  return me;
 }
 
 }  // namespace chorus::transport

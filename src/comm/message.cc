@@ -74,6 +74,10 @@ std::string describe_fields(OpType op, uint64_t seq, uint8_t dtype, uint8_t redu
            "check that every rank runs tuned with the same decisions kept by keep_tuned_allreduce, or none";
   }
   out << ")";
+  if (op == OpType::kAllreduce && arg == kSharedCoresArg) {
+    out << ", the group's first allreduce under allreduce_algorithm \"auto\" (CHORUS_ALLREDUCE_ALGORITHM), which "
+           "first gathers every rank's machine and CPUs for the plan: every rank of the group must run \"auto\"";
+  }
   return out.str();
 }
 

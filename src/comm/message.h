@@ -71,6 +71,10 @@ struct Call {
 // that every rank kept the same decision for it (ProcessGroup::keep_tuned_allreduce), or none: a
 // rank that does not run "tuned" meets it as a mismatch that names the option.
 constexpr int64_t kKeptTunedCheckArg = 0x6b657074;  // "kept"
+// Call::arg of the allgather with which allreduce "auto" learns, at a group's first allreduce, how
+// many ranks share each machine's cores (algo::learn_shared_cores; the call's other fields are the
+// allreduce's): a rank that does not run "auto" meets it as a mismatch that names the option.
+constexpr int64_t kSharedCoresArg = 0x636f7265;  // "core"
 
 Header make_header(const Call& call, uint64_t payload);
 bool same_call(const Header& h, const Call& c);

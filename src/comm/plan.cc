@@ -196,6 +196,27 @@ LinkModel default_link_model(TransportKind kind, double latency_us, double gbit_
   return m;
 }
 
+double ranks_per_core(const std::vector<RankCpus>& ranks) {
+  std::map<uint64_t, std::pair<int, std::array<uint64_t, 16>>> machines;  // ranks, CPUs' union
+  for (const RankCpus& r : ranks) {
+    auto& [count, cpus] = machines[r.machine];
+    ++count;
+    for (size_t w = 0; w < cpus.size(); ++w) cpus[w] |= r.cpus[w];
+  }
+  double most = 1;
+  for (const auto& [machine, m] : machines) {
+    int cores = 0;
+    for (uint64_t word : m.second) cores += __builtin_popcountll(word);
+    most = std::max(most, static_cast<double>(m.first) / std::max(cores, 1));
+  }
+  return most;
+}
+
+LinkModel on_shared_cores(LinkModel link, double ranks_per_core) {
+  if (ranks_per_core > 1) link.alpha_us += (ranks_per_core - 1) * kSharedCoreStepUs;
+  return link;
+}
+
 bool exchange_needs_ready(size_t a_bytes, size_t b_bytes, const LinkModel& link) {
   const double block_us = static_cast<double>(std::max(a_bytes, b_bytes)) * link.beta_us_per_byte;
   return block_us >= kReadyBlockAlphas * link.alpha_us;

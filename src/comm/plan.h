@@ -2,6 +2,7 @@
 // every rank's plan can be built in one process and compared.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -42,6 +43,26 @@ struct LinkModel {
 // figures"); `latency_us` and `gbit_per_s` replace its alpha and beta where above 0 (the link a
 // user knows: 10 GbE, 100 Gbit/s InfiniBand ...).
 LinkModel default_link_model(TransportKind kind, double latency_us = 0, double gbit_per_s = 0);
+
+// Ranks that share a machine's cores. The link's alpha is measured with a core per rank; where
+// several ranks take turns on each core, every step of an algorithm also waits until the kernel
+// runs the rank it woke, behind the others on its core, so algorithms of fewer steps gain
+// (docs/algorithms.md, "Shared cores"). One rank's machine and the CPUs it may run on:
+struct RankCpus {
+  uint64_t machine = 0;                 // a hash of the machine's identity (its kernel's boot_id)
+  std::array<uint64_t, 16> cpus{};      // the CPUs it may run on, one bit each (CPU_SETSIZE = 1024)
+};
+// The most ranks per core on any machine of the group: its ranks over the CPUs any of them may run
+// on (ranks pinned to disjoint cores share none). 1 when every rank has a core of its own; at
+// least 1. Every rank computes the same figure from the same list.
+double ranks_per_core(const std::vector<RankCpus>& ranks);
+// A step's wait for a shared core, per rank beyond the first on it, in microseconds: fitted on
+// loopback TCP with 4 and 8 ranks on 2 cores (chorus bench, the three algorithms forced in one
+// job, 16 KiB-4 MiB; docs/algorithms.md), and checked on namespace hosts it was not fitted on.
+constexpr double kSharedCoreStepUs = 25;
+// `link` with each message's latency raised by kSharedCoreStepUs for every rank a core holds beyond
+// one (unchanged at ranks_per_core <= 1). Its bandwidth stays the link's.
+LinkModel on_shared_cores(LinkModel link, double ranks_per_core);
 
 // The predicted time of one allreduce of `bytes` over `ranks` ranks by `algorithm`, in microseconds
 // (Thakur, Rabenseifner and Gropp 2005, with the ring's reduction overlapped with its transfers, as

@@ -533,6 +533,7 @@ void ProcessGroup::Impl::start(ProcessGroup* pg, std::unique_ptr<transport::Tran
   TransportKind kind = TransportKind::kTcp;
   parse_transport(transport->kind(), &kind);
   tune = detail::tuning_for(opts, kind);
+  if (tune.allreduce == AllreduceAlgorithm::kAuto) tune.cores = std::make_shared<algo::SharedCores>();
   if (tune.allreduce == AllreduceAlgorithm::kTuned) {
     if (!measured) measured = std::make_shared<algo::MeasuredAllreduce>(rank == 0);
     tune.measured = measured;

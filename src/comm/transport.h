@@ -256,5 +256,9 @@ uint64_t shm_free_bytes();
 
 // This host's identity for deciding which ranks can share memory.
 std::string host_identity();
+// This rank's machine (its kernel's boot_id, hashed; the host name where that cannot be read) and
+// the CPUs it may run on (sched_getaffinity; the first hardware_concurrency() where that fails),
+// for plan::ranks_per_core. Namespaces and containers on one kernel are one machine.
+plan::RankCpus this_rank_cpus();
 
 }  // namespace chorus::transport
