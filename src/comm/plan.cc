@@ -267,6 +267,10 @@ AllreduceAlgorithm choose_allreduce(AllreduceAlgorithm forced, size_t bytes, siz
       best_us = us;
     }
   }
+  if (best != AllreduceAlgorithm::kRing && splits_for_ring &&
+      predict_allreduce_us(AllreduceAlgorithm::kRing, bytes, ranks, model) <= (1 + kRingPreferredWithin) * best_us) {
+    return AllreduceAlgorithm::kRing;
+  }
   return best;
 }
 

@@ -74,6 +74,11 @@ double predict_allreduce_us(AllreduceAlgorithm algorithm, size_t bytes, int rank
 // choice algo::MeasuredAllreduce makes), else the one with the least predicted time. Recursive
 // doubling wherever the others cannot split the buffer: fewer elements (`count`) than the ranks the
 // buffer is cut among. Pure: every rank computes the same choice.
+// Within kRingPreferredWithin of the least predicted time the ring is kept: its one steady flow per
+// neighbour reaches the link's rate, while each of the others' steps starts a new flow that TCP
+// ramps up again, which the model does not price (measured: Rabenseifner 1-17% behind the ring at
+// 4-16 MiB over 8 shaped hosts where the model has them level; docs/algorithms.md).
+constexpr double kRingPreferredWithin = 0.05;
 AllreduceAlgorithm choose_allreduce(AllreduceAlgorithm forced, size_t bytes, size_t count, int ranks,
                                     const LinkModel& model);
 
