@@ -214,6 +214,7 @@ double ranks_per_core(const std::vector<RankCpus>& ranks) {
 
 LinkModel on_shared_cores(LinkModel link, double ranks_per_core) {
   if (ranks_per_core > 1) link.alpha_us += (ranks_per_core - 1) * kSharedCoreStepUs;
+  link.core_beta_us_per_byte = std::max(ranks_per_core, 1.0) * default_link_model(TransportKind::kTcp).beta_us_per_byte;
   return link;
 }
 
@@ -267,7 +268,8 @@ AllreduceAlgorithm choose_allreduce(AllreduceAlgorithm forced, size_t bytes, siz
       best_us = us;
     }
   }
-  if (best != AllreduceAlgorithm::kRing && splits_for_ring &&
+  const bool link_bound = model.beta_us_per_byte >= model.core_beta_us_per_byte;
+  if (best != AllreduceAlgorithm::kRing && splits_for_ring && link_bound &&
       predict_allreduce_us(AllreduceAlgorithm::kRing, bytes, ranks, model) <= (1 + kRingPreferredWithin) * best_us) {
     return AllreduceAlgorithm::kRing;
   }

@@ -38,6 +38,10 @@ struct LinkModel {
   double alpha_us = 0;
   double beta_us_per_byte = 0;
   double gamma_us_per_byte = 0;
+  // Set by on_shared_cores: a byte's cost to ranks that take turns on their cores (loopback's beta,
+  // once per rank a core holds). Not in the predicted times; where it exceeds beta the cores, not
+  // the link, bound the bytes, and choose_allreduce keeps no margin for the ring. 0: not known.
+  double core_beta_us_per_byte = 0;
 };
 // The model a transport starts from, measured on loopback TCP (docs/algorithms.md, "The model's
 // figures"); `latency_us` and `gbit_per_s` replace its alpha and beta where above 0 (the link a
@@ -61,7 +65,8 @@ double ranks_per_core(const std::vector<RankCpus>& ranks);
 // job, 16 KiB-4 MiB; docs/algorithms.md), and checked on namespace hosts it was not fitted on.
 constexpr double kSharedCoreStepUs = 25;
 // `link` with each message's latency raised by kSharedCoreStepUs for every rank a core holds beyond
-// one (unchanged at ranks_per_core <= 1). Its bandwidth stays the link's.
+// one (unchanged at ranks_per_core <= 1), and core_beta_us_per_byte set. Its bandwidth stays the
+// link's.
 LinkModel on_shared_cores(LinkModel link, double ranks_per_core);
 
 // The predicted time of one allreduce of `bytes` over `ranks` ranks by `algorithm`, in microseconds
@@ -74,10 +79,12 @@ double predict_allreduce_us(AllreduceAlgorithm algorithm, size_t bytes, int rank
 // choice algo::MeasuredAllreduce makes), else the one with the least predicted time. Recursive
 // doubling wherever the others cannot split the buffer: fewer elements (`count`) than the ranks the
 // buffer is cut among. Pure: every rank computes the same choice.
-// Within kRingPreferredWithin of the least predicted time the ring is kept: its one steady flow per
-// neighbour reaches the link's rate, while each of the others' steps starts a new flow that TCP
-// ramps up again, which the model does not price (measured: Rabenseifner 1-17% behind the ring at
-// 4-16 MiB over 8 shaped hosts where the model has them level; docs/algorithms.md).
+// Within kRingPreferredWithin of the least predicted time the ring is kept where the link bounds
+// the bytes (beta at least core_beta_us_per_byte): its one steady flow per neighbour reaches the
+// link's rate, while each of the others' steps starts a new flow that TCP ramps up again, which the
+// model does not price (measured: Rabenseifner 1-17% behind the ring at 4-16 MiB over 8 shaped
+// hosts where the model has them level; docs/algorithms.md). Where shared cores bound them, a flow
+// never reaches the link's rate to ramp to, and every extra step waits for a core: no margin.
 constexpr double kRingPreferredWithin = 0.05;
 AllreduceAlgorithm choose_allreduce(AllreduceAlgorithm forced, size_t bytes, size_t count, int ranks,
                                     const LinkModel& model);

@@ -417,11 +417,16 @@ TEST(SharedCores, ChargeEveryStepSoThePlanTakesFewer) {
   const LinkModel gbit = default_link_model(TransportKind::kTcp, 0, 1);
   EXPECT_EQ(pick(64 << 10, 8, gbit), A::kRabenseifner);
   EXPECT_EQ(pick(64 << 10, 8, on_shared_cores(gbit, 4)), A::kRabenseifner);
-  // At 100 Mbit/s, 4 MiB, the ring and Rabenseifner are level in the model, 4 a core or not (the
-  // ring's 8 extra waits against Rabenseifner's unhidden reduction): the ring's margin keeps it.
+  // At 4 MiB the ring and Rabenseifner are level in the model, 4 a core or not (the ring's 8 extra
+  // waits against Rabenseifner's unhidden reduction). Over 100 Mbit/s the link bounds the bytes and
+  // the ring's margin keeps it; over 10 Gbit/s 4 ranks a core copy slower than the link (4 x
+  // loopback's beta) and Rabenseifner's fewer steps are kept.
   const LinkModel slow = default_link_model(TransportKind::kTcp, 0, 0.1);
   EXPECT_EQ(pick(4 << 20, 8, slow), A::kRing);
   EXPECT_EQ(pick(4 << 20, 8, on_shared_cores(slow, 4)), A::kRing);
+  EXPECT_GT(shared.core_beta_us_per_byte, shared.beta_us_per_byte);
+  EXPECT_EQ(pick(4 << 20, 8, shared), A::kRabenseifner);
+  EXPECT_EQ(pick(4 << 20, 8, link), A::kRing);  // a core per rank: the link bounds, the margin holds
   // A core per rank, or fewer ranks than cores: the link's model as it is.
   EXPECT_EQ(on_shared_cores(link, 1).alpha_us, link.alpha_us);
   EXPECT_EQ(on_shared_cores(link, 0.25).alpha_us, link.alpha_us);
