@@ -197,7 +197,7 @@ LinkModel default_link_model(TransportKind kind, double latency_us, double gbit_
 }
 
 double ranks_per_core(const std::vector<RankCpus>& ranks) {
-  std::map<uint64_t, std::pair<int, std::array<uint64_t, 16>>> machines;  // ranks, CPUs' union
+  std::map<uint64_t, std::pair<int, decltype(RankCpus::cpus)>> machines;  // ranks, CPUs' union
   for (const RankCpus& r : ranks) {
     auto& [count, cpus] = machines[r.machine];
     ++count;
