@@ -142,13 +142,14 @@ void learn_shared_cores(Transport& t, const Tuning& tune, const wire::Call& call
   gather.arg = wire::kSharedCoresArg;
   allgatherv(t, gather, &mine, all.data(), std::vector<size_t>(n, sizeof(plan::RankCpus)));
   tune.cores->ranks_per_core = plan::ranks_per_core(all);
+  tune.cores->link = plan::on_shared_cores(tune.link, tune.cores->ranks_per_core);
   tune.cores->known = true;
   std::set<uint64_t> machines;
   for (const plan::RankCpus& r : all) machines.insert(r.machine);
   std::ostringstream line;
   line << "allreduce \"auto\" over " << n << " ranks on " << machines.size() << " machine(s): at most "
        << tune.cores->ranks_per_core << " ranks a core; the plan takes a message's latency as "
-       << plan::on_shared_cores(tune.link, tune.cores->ranks_per_core).alpha_us << " us (the link's "
+       << tune.cores->link.alpha_us << " us (the link's "
        << tune.link.alpha_us << ")";
   log(LogLevel::kDebug, line.str());
 }
@@ -171,7 +172,7 @@ void allreduce_by(AllreduceAlgorithm algorithm, Transport& t, Scratch& s, const 
                   void* buf, size_t count, DataType dtype, ReduceOp op) {
   // "auto" plans on the link as the ranks' shared cores slow it; a forced algorithm needs no model.
   const bool shared = algorithm == AllreduceAlgorithm::kAuto && tune.cores && tune.cores->known;
-  const plan::LinkModel model = shared ? plan::on_shared_cores(tune.link, tune.cores->ranks_per_core) : tune.link;
+  const plan::LinkModel& model = shared ? tune.cores->link : tune.link;
   switch (plan::choose_allreduce(algorithm, count * element_size(dtype), count, t.size(), model)) {
     case AllreduceAlgorithm::kRing: return allreduce_ring(t, s, tune, call, buf, count, dtype, op);
     case AllreduceAlgorithm::kRabenseifner: return allreduce_rabenseifner(t, s, tune, call, buf, count, dtype, op);

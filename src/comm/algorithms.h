@@ -25,6 +25,7 @@ class MeasuredAllreduce;
 struct SharedCores {
   bool known = false;
   double ranks_per_core = 1;
+  plan::LinkModel link;  // Tuning::link as these shared cores slow it, once known
 };
 
 struct Tuning {

@@ -4,11 +4,13 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -169,6 +171,59 @@ TEST(TunedAllreduce, RanksAgreeOnTheirChoicesAndALatencyBoundSizeAvoidsTheRing) 
     h[1] = -h[0];
     pg->allreduce(h, 2, DataType::kInt64, ReduceOp::kMax)->wait();
     if (h[0] != -h[1]) throw std::runtime_error("ranks disagree on what was tuned; this rank has\n" + text);
+  }, std::chrono::seconds(60)), "");
+}
+
+// A rank that comes late to a trial is not charged to the candidate tried: the trials start from a
+// barrier. Rank 0 sleeps 100 ms before each of the 64 KiB class's calls; timed from each rank's own
+// start, the other ranks would measure every candidate at 100 ms and more.
+TEST(TunedAllreduce, ARankLateToATrialIsNotChargedToTheCandidate) {
+  EXPECT_EQ(testing::run_ranks(4, [&](int rank, int w, std::shared_ptr<Store>) {
+    auto pg = connect_process_group("env://", rank, w, test_options({"tcp", w, 1}, rank, 1 << 20, "tuned", false));
+    std::vector<float> v(16384);
+    for (int call = 0; call < kTunedAllreduceTrials; ++call) {
+      if (rank == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      std::fill(v.begin(), v.end(), 1.0f);
+      pg->allreduce(v.data(), v.size(), DataType::kFloat32)->wait();
+      if (v.front() != w || v.back() != w) throw std::runtime_error("call " + std::to_string(call) + ": a wrong sum");
+    }
+    const std::vector<TunedAllreduce> tuned = pg->tuned_allreduce();
+    if (tuned.size() != 1 || tuned[0].measured_us.size() < 2) {
+      throw std::runtime_error("expected the 64 KiB class decided over two candidates or more, got " +
+                               std::to_string(tuned.size()) + " classes");
+    }
+    for (const auto& [name, us] : tuned[0].measured_us) {
+      if (us >= 50000) throw std::runtime_error(name + " was measured at " + std::to_string(us) + " us");
+    }
+  }, std::chrono::seconds(60)), "");
+}
+
+// new_group(ranks, options): the sub-group runs by its own options (here "tuned" under a parent
+// forcing the ring) and keeps the parent's transport whatever `options` asks for.
+TEST(NewGroup, WithOptionsRunsByThemOnTheParentsTransport) {
+  EXPECT_EQ(testing::run_ranks(3, [&](int rank, int w, std::shared_ptr<Store>) {
+    auto pg = connect_process_group("env://", rank, w, test_options({"tcp", w, 1}, rank, 1 << 20, "ring", false));
+    ProcessGroupOptions o = test_options({"shm", w, 1}, rank, 1 << 20, "tuned", false);
+    auto sub = pg->new_group({0, 1, 2}, o);
+    auto pair = pg->new_group({0, 2}, o);
+    if (sub->transport() != "tcp") throw std::runtime_error("the sub-group's transport is " + sub->transport());
+    if ((rank != 1) != (pair != nullptr)) throw std::runtime_error("new_group({0, 2}) membership wrong");
+    std::vector<float> v(16);
+    for (int call = 0; call < kTunedAllreduceTrials; ++call) {
+      for (auto* g : {pg.get(), sub.get(), pair.get()}) {
+        if (g == nullptr) continue;
+        std::fill(v.begin(), v.end(), 1.0f);
+        g->allreduce(v.data(), v.size(), DataType::kFloat32)->wait();
+        if (v.front() != g->size()) throw std::runtime_error("a wrong sum over " + std::to_string(g->size()) + " ranks");
+      }
+    }
+    if (!pg->tuned_allreduce().empty()) throw std::runtime_error("the parent (ring) tuned");
+    if (sub->tuned_allreduce().size() != 1 || sub->tuned_allreduce()[0].ranks != 3) {
+      throw std::runtime_error("the sub-group did not tune its 64-byte class over 3 ranks");
+    }
+    if (pair != nullptr && (pair->tuned_allreduce().size() != 1 || pair->tuned_allreduce()[0].ranks != 2)) {
+      throw std::runtime_error("the pair did not tune its 64-byte class over 2 ranks");
+    }
   }, std::chrono::seconds(60)), "");
 }
 

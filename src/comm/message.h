@@ -75,6 +75,10 @@ constexpr int64_t kKeptTunedCheckArg = 0x6b657074;  // "kept"
 // many ranks share each machine's cores (algo::learn_shared_cores; the call's other fields are the
 // allreduce's): a rank that does not run "auto" meets it as a mismatch that names the option.
 constexpr int64_t kSharedCoresArg = 0x636f7265;  // "core"
+// Call::arg of the barrier before each timed trial of allreduce "tuned" (zero-byte messages under
+// the trial call's other fields): the ranks start a trial together, so that its time is the
+// algorithm's own and not a tail of skew the previous trial left (algo::MeasuredAllreduce).
+constexpr int64_t kTunedTrialStartArg = 0x73746172;  // "star"
 
 Header make_header(const Call& call, uint64_t payload);
 bool same_call(const Header& h, const Call& c);

@@ -603,6 +603,10 @@ using wire::Call;
 using wire::OpType;
 
 std::shared_ptr<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ranks) {
+  return new_group(ranks, impl_->opts);
+}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ranks, ProcessGroupOptions options) {
   Impl& m = *impl_;
   std::set<int> unique(ranks.begin(), ranks.end());
   if (ranks.empty() || unique.size() != ranks.size() || *unique.begin() < 0 || *unique.rbegin() >= m.size) {
@@ -618,7 +622,11 @@ std::shared_ptr<ProcessGroup> ProcessGroup::new_group(const std::vector<int>& ra
   for (size_t i = 0; i < ranks.size(); ++i) {
     if (ranks[i] == m.rank) my_index = static_cast<int>(i);
   }
-  ProcessGroupOptions o = m.opts;
+  ProcessGroupOptions o = std::move(options);
+  o.transport = m.opts.transport;
+  o.host_id = m.opts.host_id;
+  o.token = m.opts.token;
+  o.advertise_host = m.opts.advertise_host;
   o.group_name = m.opts.group_name + "/" + std::to_string(id);
   if (m.transport->makes_subgroups()) {
     // A collective over this group, in order with its other operations; non-members take part.

@@ -290,25 +290,16 @@ std::string tuned_choice(const ProcessGroup& pg, size_t bytes) {
 // connect_process_group sets up its one.
 std::vector<std::shared_ptr<ProcessGroup>> connect_timed(const BenchArgs& a, int rank, int world, SetupCost* cost) {
   const auto t0 = Clock::now();
-  std::vector<std::shared_ptr<ProcessGroup>> groups;
   const std::vector<std::string> algos = algorithms(a);
   ProcessGroupOptions o = group_options(a, std::max(rank, 0), std::max(world, 1));
-  if (algos.size() == 1) {
-    groups.push_back(connect_process_group("env://", rank, world, o));
-  } else {
-    RendezvousOptions ro;
-    ro.timeout = o.timeout;
-    Rendezvous rv = rendezvous("env://", rank, world, ro);
-    if (!rv.error_file.empty()) install_error_file_handler(rv.error_file.c_str(), rv.rank);
-    if (!rv.store_prefix.empty()) rv.store = std::make_shared<PrefixStore>(rv.store_prefix, rv.store);
-    if (o.transport == "auto" && !rv.transport.empty()) o.transport = rv.transport;
-    o.token = rv.token;
-    o.advertise_host = rv.local_address;
-    for (const std::string& algo : algos) {
-      o.allreduce_algorithm = algo;
-      o.group_name = "bench-" + algo;
-      groups.push_back(std::make_shared<ProcessGroup>(rv.store, rv.rank, rv.world_size, o));
-    }
+  o.allreduce_algorithm = algos.front();
+  std::vector<std::shared_ptr<ProcessGroup>> groups{connect_process_group("env://", rank, world, o)};
+  // Algorithms compared in one job: a group over all ranks for each of the others.
+  std::vector<int> all(static_cast<size_t>(groups.front()->size()));
+  for (size_t r = 0; r < all.size(); ++r) all[r] = static_cast<int>(r);
+  for (size_t i = 1; i < algos.size(); ++i) {
+    o.allreduce_algorithm = algos[i];
+    groups.push_back(groups.front()->new_group(all, o));
   }
   cost->seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   cost->fds = open_fds();

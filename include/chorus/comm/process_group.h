@@ -230,6 +230,11 @@ class ProcessGroup {
   // A sub-group of the listed ranks of this group (every rank of this group calls it with the same
   // list, in the same order relative to other new_group calls). Returns nullptr on non-members.
   std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks);
+  // The same with options of its own (another allreduce_algorithm, link model, timeout, ...), as
+  // torch.distributed.new_group's timeout and pg_options. What ties it to this group's job is this
+  // group's: transport, host_id, token and advertise_host are copied from it (those fields of
+  // `options` are not read) and group_name is this group's with "/<n>" appended.
+  std::shared_ptr<ProcessGroup> new_group(const std::vector<int>& ranks, ProcessGroupOptions options);
 
   // Waits for queued work, says goodbye to the peers and stops the worker. Idempotent.
   void shutdown();
