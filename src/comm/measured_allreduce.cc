@@ -107,8 +107,6 @@ void MeasuredAllreduce::run(transport::Transport& t, Scratch& s, const Tuning& t
                           "ranks load the same saved state), before the allreduces they are for");
     }
   }
-  // A later call of the class may have too few elements for the kept algorithm (another dtype):
-  // allreduce_by falls back to recursive doubling as a forced algorithm does.
   if (trying && trial.timed) {
     // A rank's time runs from its own start. Back to back, an algorithm that ends unevenly
     // (recursive doubling over 6 ranks hands the last two their result one whole-buffer message
@@ -120,6 +118,8 @@ void MeasuredAllreduce::run(transport::Transport& t, Scratch& s, const Tuning& t
     ready.arg = wire::kTunedTrialStartArg;
     barrier(t, ready);
   }
+  // A later call of the class may have too few elements for the kept algorithm (another dtype):
+  // allreduce_by falls back to recursive doubling as a forced algorithm does.
   const auto start = std::chrono::steady_clock::now();
   allreduce_by(algorithm, t, s, tune, call, buf, count, dtype, op);
   if (!trying) return;
