@@ -10,6 +10,7 @@
 #include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -296,7 +297,7 @@ std::vector<std::shared_ptr<ProcessGroup>> connect_timed(const BenchArgs& a, int
   std::vector<std::shared_ptr<ProcessGroup>> groups{connect_process_group("env://", rank, world, o)};
   // Algorithms compared in one job: a group over all ranks for each of the others.
   std::vector<int> all(static_cast<size_t>(groups.front()->size()));
-  for (size_t r = 0; r < all.size(); ++r) all[r] = static_cast<int>(r);
+  std::iota(all.begin(), all.end(), 0);
   for (size_t i = 1; i < algos.size(); ++i) {
     o.allreduce_algorithm = algos[i];
     groups.push_back(groups.front()->new_group(all, o));
