@@ -191,6 +191,7 @@ LinkModel default_link_model(TransportKind kind, double latency_us, double gbit_
   m.alpha_us = kind == TransportKind::kShm ? 5 : 15;
   m.beta_us_per_byte = 1.0 / (kind == TransportKind::kShm ? 8000.0 : 3500.0);  // bytes per us -> us per byte
   m.gamma_us_per_byte = 1.0 / 6000.0;
+  m.cache_bytes = kReductionCacheBytes;
   if (latency_us > 0) m.alpha_us = latency_us;
   if (gbit_per_s > 0) m.beta_us_per_byte = 8.0 / (gbit_per_s * 1000.0);
   return m;
@@ -215,6 +216,7 @@ double ranks_per_core(const std::vector<RankCpus>& ranks) {
 LinkModel on_shared_cores(LinkModel link, double ranks_per_core) {
   if (ranks_per_core > 1) link.alpha_us += (ranks_per_core - 1) * kSharedCoreStepUs;
   link.core_beta_us_per_byte = std::max(ranks_per_core, 1.0) * default_link_model(TransportKind::kTcp).beta_us_per_byte;
+  link.cache_bytes /= std::max(ranks_per_core, 1.0);
   return link;
 }
 
@@ -230,14 +232,20 @@ double predict_allreduce_us(AllreduceAlgorithm algorithm, size_t bytes, int rank
   const int p2 = pow2_floor(ranks);
   int rounds = 0;
   while ((1 << rounds) < p2) ++rounds;
+  // Reducing a received block: free while it and its copy fit in the cache (LinkModel::cache_bytes).
+  auto reduce_us = [&](double block) { return 2 * block <= m.cache_bytes ? 0.0 : block * g; };
   // Folding ranks past p2 in and the result back out: two whole-buffer messages and one reduction.
-  const double fold = ranks > p2 ? 2 * (a + n * b) + n * g : 0;
-  const double share = static_cast<double>(p2 - 1) / p2;
+  const double fold = ranks > p2 ? 2 * (a + n * b) + reduce_us(n) : 0;
   switch (algorithm) {
     case AllreduceAlgorithm::kRecursiveDoubling:
-      return rounds * (a + n * b + n * g) + fold;
-    case AllreduceAlgorithm::kRabenseifner:
-      return 2 * rounds * a + 2 * share * n * b + share * n * g + fold;
+      return rounds * (a + n * b + reduce_us(n)) + fold;
+    case AllreduceAlgorithm::kRabenseifner: {
+      // Recursive halving reduces n/2, n/4, ..., n/p2: (p2 - 1)/p2 of the buffer in all.
+      const double share = static_cast<double>(p2 - 1) / p2;
+      double reductions = 0;
+      for (int k = 1; k <= rounds; ++k) reductions += reduce_us(n / static_cast<double>(1 << k));
+      return 2 * rounds * a + 2 * share * n * b + reductions + fold;
+    }
     case AllreduceAlgorithm::kRing: {
       const double w = static_cast<double>(ranks - 1) / ranks;
       return 2 * (ranks - 1) * a + w * n * (std::max(b, g) + b);
@@ -262,6 +270,9 @@ AllreduceAlgorithm choose_allreduce(AllreduceAlgorithm forced, size_t bytes, siz
   double best_us = predict_allreduce_us(best, bytes, ranks, model);
   for (AllreduceAlgorithm a : {AllreduceAlgorithm::kRabenseifner, AllreduceAlgorithm::kRing}) {
     if (a == AllreduceAlgorithm::kRing ? !splits_for_ring : !splits_for_halving) continue;
+    // Two ranks: Rabenseifner is the ring's two steps (halves swapped, then swapped back) with its
+    // reduction not overlapped; the model can at most tie them, and then the ring runs.
+    if (a == AllreduceAlgorithm::kRabenseifner && ranks == 2) continue;
     const double us = predict_allreduce_us(a, bytes, ranks, model);
     if (us < best_us) {
       best = a;
@@ -269,7 +280,8 @@ AllreduceAlgorithm choose_allreduce(AllreduceAlgorithm forced, size_t bytes, siz
     }
   }
   const bool link_bound = model.beta_us_per_byte >= model.core_beta_us_per_byte;
-  if (best != AllreduceAlgorithm::kRing && splits_for_ring && link_bound &&
+  // Two ranks talk over their one connection whatever the algorithm: no new flows to ramp, no margin.
+  if (best != AllreduceAlgorithm::kRing && splits_for_ring && link_bound && ranks > 2 &&
       predict_allreduce_us(AllreduceAlgorithm::kRing, bytes, ranks, model) <= (1 + kRingPreferredWithin) * best_us) {
     return AllreduceAlgorithm::kRing;
   }
@@ -291,6 +303,8 @@ std::vector<AllreduceAlgorithm> tuning_candidates(size_t bytes, size_t count, in
     if (ranks > 1 && us <= kTuningSpread * by_time.front().first) out.push_back(a);
   }
   if (out.empty()) out.push_back(by_time.front().second);
+  const auto pick = std::find(out.begin(), out.end(), choose_allreduce(AllreduceAlgorithm::kAuto, bytes, count, ranks, model));
+  if (pick != out.end()) std::rotate(out.begin(), pick, pick + 1);
   return out;
 }
 

@@ -42,7 +42,17 @@ struct LinkModel {
   // once per rank a core holds). Not in the predicted times; where it exceeds beta the cores, not
   // the link, bound the bytes, and choose_allreduce keeps no margin for the ring. 0: not known.
   double core_beta_us_per_byte = 0;
+  // A block reduced after it arrives (recursive doubling's whole buffer, Rabenseifner's halves,
+  // the fold) costs gamma per byte only when the block and the copy it is reduced from do not fit
+  // in this much of a core's cache (2 x block > cache_bytes): gamma prices a reduction streamed
+  // through memory; one in cache runs at 40-65 GB/s here, free next to its transfer. 0: every
+  // reduction is priced. The ring's reductions overlap its transfers and are priced as before.
+  double cache_bytes = 0;
 };
+// The cache default_link_model assumes a rank has: a core's L2 on the development machine (1 MiB).
+// Recursive doubling at W=2 over loopback TCP beat the ring by 15-20% from 128 KiB to 512 KiB and
+// lost by 10% at 1 MiB, where the buffer and its received copy no longer fit (docs/algorithms.md).
+constexpr double kReductionCacheBytes = 1 << 20;
 // The model a transport starts from, measured on loopback TCP (docs/algorithms.md, "The model's
 // figures"); `latency_us` and `gbit_per_s` replace its alpha and beta where above 0 (the link a
 // user knows: 10 GbE, 100 Gbit/s InfiniBand ...).
@@ -65,8 +75,8 @@ double ranks_per_core(const std::vector<RankCpus>& ranks);
 // job, 16 KiB-4 MiB; docs/algorithms.md), and checked on namespace hosts it was not fitted on.
 constexpr double kSharedCoreStepUs = 25;
 // `link` with each message's latency raised by kSharedCoreStepUs for every rank a core holds beyond
-// one (unchanged at ranks_per_core <= 1), and core_beta_us_per_byte set. Its bandwidth stays the
-// link's.
+// one (unchanged at ranks_per_core <= 1), core_beta_us_per_byte set, and cache_bytes shared among
+// the ranks a core holds. Its bandwidth stays the link's.
 LinkModel on_shared_cores(LinkModel link, double ranks_per_core);
 
 // The predicted time of one allreduce of `bytes` over `ranks` ranks by `algorithm`, in microseconds
@@ -84,7 +94,8 @@ double predict_allreduce_us(AllreduceAlgorithm algorithm, size_t bytes, int rank
 // link's rate, while each of the others' steps starts a new flow that TCP ramps up again, which the
 // model does not price (measured: Rabenseifner 1-17% behind the ring at 4-16 MiB over 8 shaped
 // hosts where the model has them level; docs/algorithms.md). Where shared cores bound them, a flow
-// never reaches the link's rate to ramp to, and every extra step waits for a core: no margin.
+// never reaches the link's rate to ramp to, and every extra step waits for a core: no margin. Nor
+// between two ranks, whose every algorithm uses their one connection.
 constexpr double kRingPreferredWithin = 0.05;
 AllreduceAlgorithm choose_allreduce(AllreduceAlgorithm forced, size_t bytes, size_t count, int ranks,
                                     const LinkModel& model);
@@ -99,7 +110,8 @@ constexpr int kTuningRounds = 6;
 static_assert(kTuningRounds * 3 == kTunedAllreduceTrials, "types.h promises the trials' bound");
 // Candidates: the algorithms that can split the buffer and are predicted within this factor of the
 // model's best, so that trials never run one the model is sure is far slower (recursive doubling
-// of a gigabyte over 1024 ranks); in predicted order, so a tie goes to the model's pick.
+// of a gigabyte over 1024 ranks); the model's pick (choose_allreduce, which may keep the ring within
+// its margin) first, the others in predicted order, so a tie goes to the model's pick.
 constexpr double kTuningSpread = 4;
 std::vector<AllreduceAlgorithm> tuning_candidates(size_t bytes, size_t count, int ranks, const LinkModel& model);
 constexpr int tuning_calls(int candidates) { return candidates > 1 ? kTuningRounds * candidates : 0; }

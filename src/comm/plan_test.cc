@@ -164,14 +164,15 @@ TEST(Hierarchy, HierarchicalWhereSharedMemoryIsCheaperFlatWhereItIsNotForcedAsAs
   EXPECT_EQ(choose_hierarchy(Hierarchy::kAuto, 1 << 20, 4, 1, tcp, slow), Hierarchy::kHierarchical);
   // By hand: 2 hosts x 2 ranks, 4 KiB. Within: 2 x (1 x 5 + 4096/8000) + 4096/6000 us; across: 2 KiB
   // on 2 hosts, the link shared twice, recursive doubling (one message, one reduction).
+  // The across reduction (2 KiB) fits in the cache: no gamma for it (LinkModel::cache_bytes).
   const double within = 2 * (5 + 4096.0 / 8000) + 4096.0 / 6000;
-  const double across = 15 + 2048 * 2 / 3500.0 + 2048 / 6000.0;
+  const double across = 15 + 2048 * 2 / 3500.0;
   EXPECT_NEAR(predict_hierarchical_us(4096, 2, 2, tcp, shm), within + across, 1e-9);
   // Flat: 4 ranks, the link shared twice (slower than loopback here), recursive doubling: 2 rounds
   // of the whole buffer. Over a 100 Gbit/s link the loopback pairs set the pace instead.
-  EXPECT_NEAR(predict_flat_us(4096, 2, 2, tcp), 2 * (15 + 4096 * 2 / 3500.0 + 4096 / 6000.0), 1e-9);
+  EXPECT_NEAR(predict_flat_us(4096, 2, 2, tcp), 2 * (15 + 4096 * 2 / 3500.0), 1e-9);
   const LinkModel fast = default_link_model(TransportKind::kTcp, 2, 100);
-  EXPECT_NEAR(predict_flat_us(4096, 2, 2, fast), 2 * (15 + 4096 / 3500.0 + 4096 / 6000.0), 1e-9);
+  EXPECT_NEAR(predict_flat_us(4096, 2, 2, fast), 2 * (15 + 4096 / 3500.0), 1e-9);
   Hierarchy h = Hierarchy::kAuto;
   EXPECT_TRUE(parse_hierarchy("flat", &h));
   EXPECT_EQ(h, Hierarchy::kFlat);
@@ -282,6 +283,48 @@ TEST(AllreduceModel, PredictsTheTextbookCostOfEachAlgorithm) {
   EXPECT_DOUBLE_EQ(predict_allreduce_us(A::kRabenseifner, 1 << 20, 6, m), 40 + 1.5 * n * 0.001 + 0.75 * n * 0.0005 + fold);
   EXPECT_DOUBLE_EQ(predict_allreduce_us(A::kRing, 1 << 20, 6, m), 100 + (5.0 / 6) * n * 0.002);
   EXPECT_EQ(predict_allreduce_us(A::kRing, 1 << 20, 1, m), 0);
+}
+
+// A received block reduced in cache (it and its copy within cache_bytes) costs no gamma; a larger
+// one does. The ring's reductions overlap its transfers and are priced as before.
+TEST(AllreduceModel, ReductionsThatFitTheCacheAreFree) {
+  using A = AllreduceAlgorithm;
+  LinkModel m;
+  m.alpha_us = 10;
+  m.beta_us_per_byte = 0.001;
+  m.gamma_us_per_byte = 0.0005;
+  m.cache_bytes = 1 << 20;
+  const double n = 1 << 20;
+  // 8 ranks, 1 MiB: recursive doubling's whole buffer does not fit with its copy; Rabenseifner's
+  // halves (512, 256, 128 KiB) do.
+  EXPECT_DOUBLE_EQ(predict_allreduce_us(A::kRecursiveDoubling, 1 << 20, 8, m), 3 * (10 + n * 0.0015));
+  EXPECT_DOUBLE_EQ(predict_allreduce_us(A::kRabenseifner, 1 << 20, 8, m), 60 + 2 * 0.875 * n * 0.001);
+  EXPECT_DOUBLE_EQ(predict_allreduce_us(A::kRing, 1 << 20, 8, m), 140 + 0.875 * n * 0.002);
+  // 2 MiB: Rabenseifner's first half (1 MiB) is priced, the rest not.
+  EXPECT_DOUBLE_EQ(predict_allreduce_us(A::kRabenseifner, 2 << 20, 8, m), 60 + 2 * 0.875 * 2 * n * 0.001 + n * 0.0005);
+  // 512 KiB over 6 ranks: the fold's and recursive doubling's reductions fit.
+  const double h = n / 2;
+  EXPECT_DOUBLE_EQ(predict_allreduce_us(A::kRecursiveDoubling, 1 << 19, 6, m), 2 * (10 + h * 0.001) + 2 * (10 + h * 0.001));
+  // Ranks that share a core share its cache.
+  const LinkModel two = on_shared_cores(m, 2);
+  EXPECT_DOUBLE_EQ(two.cache_bytes, m.cache_bytes / 2);
+  EXPECT_DOUBLE_EQ(predict_allreduce_us(A::kRecursiveDoubling, 1 << 19, 2, two), two.alpha_us + h * 0.001 + h * 0.0005);
+  // The default model: recursive doubling at W=2 while the buffer and its copy fit in 1 MiB (it
+  // beat the ring by 15-20% from 128 KiB to 512 KiB over loopback TCP), the ring from 1 MiB.
+  const LinkModel tcp = default_link_model(TransportKind::kTcp);
+  EXPECT_EQ(tcp.cache_bytes, kReductionCacheBytes);
+  for (size_t bytes : {size_t{128} << 10, size_t{256} << 10, size_t{512} << 10}) {
+    EXPECT_EQ(choose_allreduce(A::kAuto, bytes, bytes / 4, 2, tcp), A::kRecursiveDoubling) << bytes;
+  }
+  EXPECT_EQ(choose_allreduce(A::kAuto, 1 << 20, 1 << 18, 2, tcp), A::kRing);
+  // Told a link, the same: two ranks keep no margin for the ring (one connection either way), and
+  // Rabenseifner, the ring's two steps at W=2, never runs in its place.
+  for (double gbit : {0.1, 1.0, 10.0, 100.0}) {
+    const LinkModel link = default_link_model(TransportKind::kTcp, 0, gbit);
+    EXPECT_EQ(choose_allreduce(A::kAuto, 512 << 10, 128 << 10, 2, link), A::kRecursiveDoubling) << gbit;
+    EXPECT_EQ(choose_allreduce(A::kAuto, 1 << 20, 1 << 18, 2, link), A::kRing) << gbit;
+    EXPECT_EQ(choose_allreduce(A::kAuto, 64 << 20, 16 << 20, 2, link), A::kRing) << gbit;
+  }
 }
 
 TEST(AllreduceModel, LinkFiguresReplaceTheMeasuredDefault) {
@@ -395,9 +438,10 @@ TEST(SharedCores, RanksOverTheUnionOfTheirCpusOnTheBusiestMachine) {
 }
 
 // On shared cores every step costs more, so the plan takes fewer steps: recursive doubling over
-// Rabenseifner at 64 KiB and Rabenseifner over the ring at 1 MiB, 8 ranks told 10 Gbit/s, 4 a
-// core (8 namespace hosts on 2 cores measured them so, docs/benchmarks.md "Judged in one job");
-// with a core per rank the link's model is unchanged and so are its picks.
+// Rabenseifner at 64 KiB and Rabenseifner at 1 MiB, 8 ranks told 10 Gbit/s, 4 a core (8
+// namespace hosts on 2 cores measured them so, docs/benchmarks.md "Judged in one job"), and at
+// 2 MiB, where a core per rank keeps the ring; with a core per rank the link's model is unchanged
+// and so are its picks.
 TEST(SharedCores, ChargeEveryStepSoThePlanTakesFewer) {
   using A = AllreduceAlgorithm;
   const LinkModel link = default_link_model(TransportKind::kTcp, 0, 10);
@@ -405,13 +449,14 @@ TEST(SharedCores, ChargeEveryStepSoThePlanTakesFewer) {
     return choose_allreduce(A::kAuto, bytes, bytes / 4, ranks, m);
   };
   EXPECT_EQ(pick(64 << 10, 8, link), A::kRabenseifner);
-  EXPECT_EQ(pick(1 << 20, 8, link), A::kRing);
+  EXPECT_EQ(pick(2 << 20, 8, link), A::kRing);
   const LinkModel shared = on_shared_cores(link, 4);
   EXPECT_DOUBLE_EQ(shared.alpha_us, link.alpha_us + 3 * kSharedCoreStepUs);
   EXPECT_EQ(shared.beta_us_per_byte, link.beta_us_per_byte);
   EXPECT_EQ(shared.gamma_us_per_byte, link.gamma_us_per_byte);
   EXPECT_EQ(pick(64 << 10, 8, shared), A::kRecursiveDoubling);
   EXPECT_EQ(pick(1 << 20, 8, shared), A::kRabenseifner);
+  EXPECT_EQ(pick(2 << 20, 8, shared), A::kRabenseifner);
   // Where the link's bytes dominate the pick stays: at 1 Gbit/s, 64 KiB, recursive doubling's
   // whole-buffer steps cost more than Rabenseifner's three extra waits.
   const LinkModel gbit = default_link_model(TransportKind::kTcp, 0, 1);
