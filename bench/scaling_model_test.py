@@ -56,6 +56,29 @@ class Model(unittest.TestCase):
         self.assertAlmostEqual(beta_host / truth[1], 1, places=3)
         self.assertAlmostEqual(gamma / truth[2], 1, places=3)
 
+    def test_best_possible_reaches_zero_on_the_models_own_points_and_no_less_where_they_disagree(self):
+        # Made by the model at 8 hosts over 1 Gbit/s, gamma above beta and below it: no error, and
+        # the parameters found again.
+        beta = 1.5 * sm.link_us_per_byte(1e9)
+        for gamma in (2e-3, 2e-2):
+            points = [{"hosts": 8, "rate": "1gbit", "bps": 1e9, "algorithm": alg, "bytes": n,
+                       "p50_us": sm.predict_us(alg, n, 8, 30.0, beta, gamma)}
+                      for n in (4096, 1 << 20, 16 << 20) for alg in sm.ALGORITHMS]
+            err, alpha, b, g = sm.best_possible(points)
+            self.assertLess(err, 1e-6)
+            self.assertAlmostEqual(alpha / 30.0, 1, places=4)
+            self.assertAlmostEqual(b / beta, 1, places=4)
+            self.assertAlmostEqual(g / gamma, 1, places=4)
+        # The same call measured at t and 2t: the best a model can do is 4t/3, a third off both.
+        twice = [{"hosts": 4, "rate": "1gbit", "bps": 1e9, "algorithm": "ring", "bytes": 4096, "p50_us": t}
+                 for t in (100.0, 200.0)]
+        self.assertAlmostEqual(sm.best_possible(twice)[0], 1 / 3, places=6)
+        # Twice as fast as the link: 100% off with the link's floor, exact without it.
+        fast = [{"hosts": 2, "rate": "1gbit", "bps": 1e9, "algorithm": "recursive_doubling", "bytes": n,
+                 "p50_us": 0.5 * n * sm.link_us_per_byte(1e9)} for n in (1 << 20, 4 << 20)]
+        self.assertAlmostEqual(sm.best_possible(fast)[0], 1.0, places=6)
+        self.assertLess(sm.best_possible(fast, link_floor=False)[0], 1e-6)
+
     def test_connections_follow_the_collectives_peers(self):
         self.assertEqual(sm.collective_peers(0, 8), {1, 2, 4, 6, 7})
         self.assertEqual(len(sm.collective_peers(5, 1024)), 19)  # as plan_test's CollectivePeers
