@@ -92,6 +92,7 @@ class TcpTransport final : public Transport {
     size_t in_end = 0;
     bool said_goodbye = false;  // the peer sent a goodbye: it closed its group cleanly
     bool quiet_hup = false;     // a hangup was seen but data is still queued ahead of it
+    int lowat = 1;              // the rx socket's SO_RCVLOWAT (wake_for)
 
     size_t inbox_size() const { return in_end - in_begin; }
   };
@@ -111,6 +112,7 @@ class TcpTransport final : public Transport {
   void shutdown_all();
   size_t fill_inbox(Conn& c, size_t want, bool* eof);
   bool pump_recvs(Conn& c);
+  void wake_for(Conn& c, size_t bytes);
   bool pump_sends(Conn& c);
   void read_ahead(Conn& c);
   bool pump_all();

@@ -41,6 +41,7 @@ void TcpTransport::fail_closed(Conn& c, const std::string& how) {
 void TcpTransport::relay_abort(Conn& c) {
   if (relaying_ || !c.rx.valid()) return;
   relaying_ = true;
+  wake_for(c, 0);  // it reads whatever comes, a little at a time
   const Deadline dl = Clock::now() + kRelayWait;
   try {
     size_t skip = 0;  // payload bytes of the message being received still to come
