@@ -73,6 +73,9 @@ def main():
         row = re.search(r"^\| 2 \| 100mbit \| allreduce \| 1 MiB \| 1 \|(?: [^|]+ \|){6} ([0-9.]+) \|", summary, re.M)
         if "Algorithms compared in one job" not in summary or not row or not 0.5 < float(row.group(1)) < 2:
             problems.append("summary.md lacks the one-job table or its plan / fastest figure at 1 MiB")
+        over_ring = re.search(r"^\| 2 \| 100mbit \| allreduce \| 1 MiB \|.* ([0-9.]+) \|$", summary, re.M)
+        if "| ring / plan |" not in summary or not over_ring or not 0.5 < float(over_ring.group(1)) < 2:
+            problems.append("summary.md's one-job table lacks the ring's time over the plan's at 1 MiB")
         for problem in problems:
             print("FAIL: " + problem)
         print("busbw at 1 MiB: %.0f%% of the link" % (100 * share))
